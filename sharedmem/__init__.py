@@ -1,0 +1,28 @@
+"""sharedmem: a capacity-aware shared-buffer memory pool for PyTorch.
+
+A buffer is a grow-only block of bytes with a host side and a device side, each tracking its
+own physical capacity. Its logical size is a cheap number any view may change; a side is
+allocated or grown only when an access needs more than it has, and nothing is freed unless
+asked. See README.md for a tour.
+"""
+
+from __future__ import annotations
+
+from ._backends import backend_names
+from ._blob import Blob
+from ._devices import available_devices
+from ._errors import OutOfMemoryError, SharedMemError
+from ._synced import Head, SyncedMemory
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Blob",
+    "Head",
+    "OutOfMemoryError",
+    "SharedMemError",
+    "SyncedMemory",
+    "__version__",
+    "available_devices",
+    "backend_names",
+]

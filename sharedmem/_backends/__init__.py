@@ -1,0 +1,80 @@
+"""Backends: how raw bytes are obtained for each side of a memory, chosen per device.
+
+``resolve(device, backend)`` returns the ``Placement`` for a device string and an optional
+backend name: the host backend, and the device backend (``None`` on ``cpu``, where the device
+side is the host memory itself).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .._devices import normalize_device
+from ._base import Backend, Block, Fence, round_up
+from .emulated import EmulatedPageable, EmulatedReserved
+from .host import PageableBackend, ReservedBackend
+
+__all__ = ["Backend", "Block", "Fence", "Placement", "backend_names", "resolve", "round_up"]
+
+# The first name of each list is the default.
+_NAMES: dict[str, tuple[str, ...]] = {
+    "cpu": ("reserved", "pageable"),
+    "emulated": ("reserved", "pageable"),
+    "cuda": ("vmm", "cudart", "torch"),
+}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a memory's two sides live.
+
+    Attributes:
+        device: the canonical device string.
+        host: the host side's backend.
+        accel: the device side's backend, or ``None`` when the device side is the host
+            memory (``cpu``): one memory, no copies.
+    """
+
+    device: str
+    host: Backend
+    accel: Backend | None
+
+    @property
+    def device_backend(self) -> Backend:
+        """The backend that serves device-side accesses (the host one on ``cpu``)."""
+        return self.host if self.accel is None else self.accel
+
+
+def backend_names(device: str) -> tuple[str, ...]:
+    """The backend names a device accepts, default first."""
+    return _NAMES[device.partition(":")[0]]
+
+
+def resolve(device: object = "cpu", backend: object = None) -> Placement:
+    """The placement for ``device`` with the named device ``backend`` (default: the first)."""
+    name = normalize_device(device)
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"sharedmem: backend must be a str or None, got {type(backend).__name__}")
+    choices = backend_names(name)
+    if backend is not None and backend not in choices:
+        raise ValueError(
+            f"sharedmem: unknown backend {backend!r} for device {name!r}; "
+            f"choose one of {', '.join(repr(c) for c in choices)}"
+        )
+    return _placement(name, backend or choices[0])
+
+
+@functools.cache
+def _placement(device: str, backend: str) -> Placement:
+    # One placement (and backend instances) per (device, backend): backends keep no per-block
+    # state, and sharing them lets a pool account for all its memories in one place.
+    host = ReservedBackend()
+    if device == "cpu":
+        return Placement(device, PageableBackend() if backend == "pageable" else host, None)
+    if device == "emulated":
+        accel: Backend = EmulatedPageable() if backend == "pageable" else EmulatedReserved()
+        return Placement(device, host, accel)
+    from .cuda import placement  # imported only when a CUDA device is asked for
+
+    return placement(device, backend)

@@ -1,0 +1,159 @@
+"""The private interface between SyncedMemory and whatever provides raw bytes.
+
+A backend serves one side of a memory (host or device). Its public methods hold the policy
+that every backend shares (rounding to the allocation granularity, refusing nonsense); a
+subclass fills in the four hooks ``_allocate``, ``_grow``, ``_shrink`` and ``_free``, and a
+device backend also ``upload`` / ``download`` for copies between the sides.
+
+Blocks are immutable: growing or shrinking returns a new ``Block`` (which may share the old
+mapping on a stable-address backend). A refused growth therefore cannot leave a half-changed
+block behind; the caller still holds the old one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+__all__ = ["Backend", "Block", "Fence", "round_up"]
+
+
+class Fence(Protocol):
+    """A copy between the sides that may still be running.
+
+    ``wait_host`` blocks the calling thread until the copy is done; ``wait_device`` orders the
+    device work issued from now on (on the current stream) after it, blocking only where the
+    backend cannot do better.
+    """
+
+    def wait_host(self) -> None: ...
+
+    def wait_device(self) -> None: ...
+
+
+def round_up(nbytes: int, granularity: int) -> int:
+    """Round ``nbytes`` up to a multiple of ``granularity``."""
+    return -(-nbytes // granularity) * granularity
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """Physical bytes on one side.
+
+    Attributes:
+        tensor: a 1-D ``uint8`` tensor starting at the block's first byte and spanning at
+            least ``capacity`` bytes (a reserved range spans the whole reservation).
+        capacity: bytes this block may use; the grow-only capacity of its side.
+        handle: backend-private state (an mmap, a CUDA handle); ``None`` for plain tensors.
+    """
+
+    tensor: torch.Tensor
+    capacity: int
+    handle: object = None
+
+    @property
+    def address(self) -> int:
+        return int(self.tensor.data_ptr())
+
+
+class Backend(ABC):
+    """Obtains, grows, shrinks and frees the raw bytes of one side.
+
+    Attributes:
+        kind: the backend's name as users select it (``"reserved"``, ``"vmm"`` ...).
+        stable_address: growth keeps the block's address (old views stay valid).
+        granularity: capacities are multiples of this many bytes.
+        device: the torch device string of the tensors the blocks hold.
+    """
+
+    kind: ClassVar[str]
+    stable_address: ClassVar[bool]
+
+    def __init__(self, *, device: str, granularity: int) -> None:
+        self.device = device
+        self.granularity = granularity
+        self._empty = torch.empty(0, dtype=torch.uint8, device=device)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device!r})"
+
+    def round(self, nbytes: int) -> int:
+        return round_up(nbytes, self.granularity)
+
+    def empty(self) -> torch.Tensor:
+        """A zero-length tensor on this side: the view of a side that holds no bytes."""
+        return self._empty
+
+    def allocate(self, nbytes: int) -> Block:
+        """A new block of at least ``nbytes`` (> 0) bytes."""
+        assert nbytes > 0, nbytes
+        return self._allocate(self.round(nbytes))
+
+    def grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        """A block of at least ``nbytes`` whose first ``keep`` bytes equal ``block``'s.
+
+        Returns the block and the number of bytes copied to keep them (0 when the backend
+        grows in place). On failure ``block`` is untouched and still owned by the caller.
+        """
+        assert nbytes > block.capacity and 0 <= keep <= block.capacity, (nbytes, keep, block)
+        return self._grow(block, self.round(nbytes), keep)
+
+    def shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block | None, int]:
+        """Give back the part of ``block`` beyond ``nbytes``; ``None`` when nothing remains.
+
+        The first ``keep`` (<= ``nbytes``) bytes survive. Returns the block and bytes copied.
+        """
+        assert 0 <= keep <= nbytes, (keep, nbytes)
+        target = self.round(nbytes)
+        if target >= block.capacity:
+            return block, 0
+        if target == 0:
+            self._free(block)
+            return None, 0
+        return self._shrink(block, target, keep)
+
+    def free(self, block: Block) -> None:
+        self._free(block)
+
+    # Copies between the host side and this (device) side. Host backends never get these
+    # calls. A copy may run on after the call returns; it then returns a Fence, and the memory
+    # waits on it before anything else touches either buffer. ``asynchronous`` asks for that
+    # (push_async / pull_async); ``stream`` is the CUDA stream to copy on (None: the backend's).
+    def upload(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        stream: object = None,
+        asynchronous: bool = False,
+    ) -> Fence | None:
+        """Copy host bytes ``src`` into this side's ``dst`` (same length)."""
+        dst.copy_(src)
+        return None
+
+    def download(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        stream: object = None,
+        asynchronous: bool = False,
+    ) -> Fence | None:
+        """Copy this side's bytes ``src`` into host ``dst`` (same length)."""
+        dst.copy_(src)
+        return None
+
+    @abstractmethod
+    def _allocate(self, nbytes: int) -> Block: ...
+
+    @abstractmethod
+    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]: ...
+
+    @abstractmethod
+    def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]: ...
+
+    @abstractmethod
+    def _free(self, block: Block) -> None: ...

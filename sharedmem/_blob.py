@@ -1,0 +1,179 @@
+"""Blob: virtual-size typed tensor views (data and gradient) over two SyncedMemory objects."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ._backends import Placement, resolve
+from ._devices import DeviceLike
+from ._synced import SyncedMemory
+from ._validate import ShapeLike, check_dtype, check_shape
+
+__all__ = ["Blob"]
+
+
+def _shape_args(shape: tuple[object, ...]) -> object:
+    # reshape(2, 3), reshape((2, 3)) and reshape(torch.Size([2, 3])) all mean the same shape.
+    return shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+
+
+class Blob:
+    """A typed view of a virtual shape over a data memory and a gradient memory.
+
+    The shape is only a number: ``reshape`` is O(1) and the memories grow on the next access
+    that needs more bytes. Capacity belongs to the memories, never to the blob, so blobs that
+    share a memory may have different shapes and dtypes, and reshaping one of them larger is
+    always safe (the memory grows, keeping its bytes).
+
+    Every accessor returns a fresh view of the storage as it is now. Re-fetch views after a
+    reshape or any access that may grow the memory: on a moving backend a growth leaves old
+    views pointing at the old storage.
+
+    Args:
+        shape: the initial shape.
+        dtype: the element type.
+        device: ``"cpu"``, ``"emulated"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
+        backend: the device-side allocator by name; default: the device's default.
+
+    Example::
+
+        >>> import torch, sharedmem as sm
+        >>> a = sm.Blob((2, 3), torch.float32)
+        >>> a.mutable_data().fill_(1.5).sum().item()
+        9.0
+        >>> b = sm.Blob((2,), torch.float32)
+        >>> b.share_data(a)
+        >>> b.reshape(4, 4).data().shape
+        torch.Size([4, 4])
+    """
+
+    def __init__(
+        self,
+        shape: ShapeLike = (),
+        dtype: torch.dtype = torch.float32,
+        *,
+        device: DeviceLike = "cpu",
+        backend: str | None = None,
+        name: str = "",
+        placement: Placement | None = None,
+    ) -> None:
+        self._shape = check_shape(shape)
+        self._dtype = check_dtype(dtype)
+        placement = placement if placement is not None else resolve(device, backend)
+        self.name = name
+        nbytes = self.nbytes
+        self._data = SyncedMemory(nbytes, name=name, placement=placement)
+        self._grad = SyncedMemory(nbytes, name=f"{name}.grad" if name else "", placement=placement)
+
+    # ---- shape ---------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> str:
+        return self._data.device
+
+    def numel(self) -> int:
+        return self._shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self._shape.numel() * self._dtype.itemsize
+
+    def reshape(self, *shape: object) -> Blob:
+        """Set the virtual shape (O(1): nothing is allocated until an access needs it)."""
+        self._shape = check_shape(_shape_args(shape))
+        self._data.set_size(self.nbytes)
+        self._grad.set_size(self.nbytes)
+        return self
+
+    def astype(self, dtype: torch.dtype) -> Blob:
+        """Set the element type (O(1), like ``reshape``); returns the blob."""
+        self._dtype = check_dtype(dtype)
+        self._data.set_size(self.nbytes)
+        self._grad.set_size(self.nbytes)
+        return self
+
+    # ---- memories ------------------------------------------------------------------------
+
+    @property
+    def data_memory(self) -> SyncedMemory:
+        return self._data
+
+    @property
+    def grad_memory(self) -> SyncedMemory:
+        return self._grad
+
+    def share_data(self, other: Blob) -> None:
+        """Use ``other``'s data memory from now on (shapes and dtypes may differ)."""
+        self._data = self._shared(other, other._data, "share_data")
+
+    def share_grad(self, other: Blob) -> None:
+        """Use ``other``'s gradient memory from now on (shapes and dtypes may differ)."""
+        self._grad = self._shared(other, other._grad, "share_grad")
+
+    def _shared(self, other: object, memory: SyncedMemory, verb: str) -> SyncedMemory:
+        if not isinstance(other, Blob):
+            raise TypeError(f"sharedmem: {verb} takes a Blob, got {type(other).__name__}")
+        if memory.device != self.device:
+            raise ValueError(
+                f"sharedmem: {verb} needs blobs on one device, got {self.device!r} and "
+                f"{memory.device!r}"
+            )
+        return memory
+
+    # ---- views ---------------------------------------------------------------------------
+
+    def _typed(
+        self, memory: SyncedMemory, access: Callable[[SyncedMemory], torch.Tensor]
+    ) -> torch.Tensor:
+        # A memory shared with a blob of another shape may have another logical size: set
+        # ours first (O(1), content untouched), so the view is exactly our bytes.
+        memory.set_size(self.nbytes)
+        return access(memory).view(self._dtype).view(self._shape)
+
+    def data(self) -> torch.Tensor:
+        """The data on the device side, for reading."""
+        return self._typed(self._data, SyncedMemory.device_data)
+
+    def mutable_data(self) -> torch.Tensor:
+        """The data on the device side, for writing."""
+        return self._typed(self._data, SyncedMemory.mutable_device_data)
+
+    def host_data(self) -> torch.Tensor:
+        """The data on the host side, for reading."""
+        return self._typed(self._data, SyncedMemory.host_data)
+
+    def mutable_host_data(self) -> torch.Tensor:
+        """The data on the host side, for writing."""
+        return self._typed(self._data, SyncedMemory.mutable_host_data)
+
+    def grad(self) -> torch.Tensor:
+        """The gradient on the device side, for reading."""
+        return self._typed(self._grad, SyncedMemory.device_data)
+
+    def mutable_grad(self) -> torch.Tensor:
+        """The gradient on the device side, for writing."""
+        return self._typed(self._grad, SyncedMemory.mutable_device_data)
+
+    def host_grad(self) -> torch.Tensor:
+        """The gradient on the host side, for reading."""
+        return self._typed(self._grad, SyncedMemory.host_data)
+
+    def mutable_host_grad(self) -> torch.Tensor:
+        """The gradient on the host side, for writing."""
+        return self._typed(self._grad, SyncedMemory.mutable_host_data)
+
+    def __repr__(self) -> str:
+        label = f"{self.name!r}, " if self.name else ""
+        return (
+            f"Blob({label}shape={tuple(self._shape)}, dtype={self._dtype}, device={self.device!r})"
+        )

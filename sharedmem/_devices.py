@@ -1,0 +1,79 @@
+"""Device strings: parsing, and which devices this machine can use.
+
+Nothing here touches CUDA unless a CUDA device is asked for, so importing sharedmem and using
+``cpu`` or ``emulated`` works on any machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._errors import SharedMemError
+
+__all__ = ["DeviceLike", "available_devices", "normalize_device", "require_usable"]
+
+DeviceLike = str | torch.device
+
+_FORMS = "'cpu', 'emulated', 'cuda' or 'cuda:N'"
+
+
+def _cuda_count() -> int:
+    # torch.cuda.is_available() asks the driver for a device count without creating a context.
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def available_devices() -> list[str]:
+    """The device strings that work on this machine: ``cpu``, ``emulated``, then each GPU.
+
+    Example::
+
+        >>> import sharedmem as sm
+        >>> sm.available_devices()[:2]
+        ['cpu', 'emulated']
+    """
+    return ["cpu", "emulated"] + [f"cuda:{i}" for i in range(_cuda_count())]
+
+
+def normalize_device(device: object) -> str:
+    """Return the canonical string of ``device``: ``cpu``, ``emulated`` or ``cuda:N``.
+
+    A bare ``cuda`` means the current CUDA device, as in PyTorch. Raises ``SharedMemError``
+    for a CUDA device this machine cannot use.
+    """
+    index: int | None
+    if isinstance(device, torch.device):
+        kind, index = device.type, device.index
+    elif isinstance(device, str):
+        kind, _, rest = device.strip().partition(":")
+        if rest and not rest.isdigit():
+            raise ValueError(f"sharedmem: unknown device {device!r}; use {_FORMS}")
+        index = int(rest) if rest else None
+    else:
+        raise TypeError(
+            f"sharedmem: device must be a str or torch.device, got {type(device).__name__} "
+            f"({device!r}); use {_FORMS}"
+        )
+    if kind in ("cpu", "emulated") and not index:
+        return kind
+    if kind == "cuda":
+        require_usable("cuda" if index is None else f"cuda:{index}")
+        return f"cuda:{torch.cuda.current_device() if index is None else index}"
+    raise ValueError(f"sharedmem: unknown device {device!r}; use {_FORMS}")
+
+
+def require_usable(device: str) -> None:
+    """Raise ``SharedMemError`` if the CUDA device named by ``device`` cannot be used here."""
+    count = _cuda_count()
+    _, _, rest = device.partition(":")
+    if count and (not rest or int(rest) < count):
+        return
+    why = (
+        "no usable CUDA GPU was found (torch.cuda.is_available() is False)"
+        if not count
+        else f"this machine has {count} CUDA device(s)"
+    )
+    raise SharedMemError(
+        f"sharedmem: device {device!r} is not usable here: {why}. "
+        f"Devices that work here: {', '.join(repr(d) for d in available_devices())}. "
+        "Use 'emulated' to exercise host/device code without a GPU."
+    )

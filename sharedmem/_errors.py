@@ -1,0 +1,63 @@
+"""The error hierarchy: one base class, and an out-of-memory error that says what to do."""
+
+from __future__ import annotations
+
+__all__ = ["OutOfMemoryError", "SharedMemError"]
+
+
+class SharedMemError(RuntimeError):
+    """Base class of every error sharedmem raises on its own account.
+
+    Bad arguments raise plain ``ValueError`` / ``TypeError`` (with a message starting
+    ``sharedmem:``) so that ordinary argument checking keeps working as users expect.
+    """
+
+
+class OutOfMemoryError(SharedMemError, MemoryError):
+    """A growth was refused: by a pool's limit, or because the allocator had no memory.
+
+    Nothing is lost when this is raised: every buffer keeps its content and capacity.
+
+    Attributes:
+        requested: bytes the refused growth asked for (the new capacity of the side).
+        reserved: bytes reserved on that device when the growth was refused.
+        limit: the pool's cap on reserved device bytes, or ``None`` when the allocator
+            itself ran out.
+        device: the device string (``"cpu"``, ``"emulated"``, ``"cuda:0"`` ...).
+    """
+
+    def __init__(
+        self,
+        requested: int,
+        reserved: int,
+        limit: int | None,
+        device: str,
+        detail: str = "",
+    ) -> None:
+        self.requested = requested
+        self.reserved = reserved
+        self.limit = limit
+        self.device = device
+        self.detail = detail
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        if self.limit is None:
+            head = (
+                f"sharedmem: out of memory on {self.device}: could not grow to "
+                f"{self.requested:,} bytes with {self.reserved:,} bytes already reserved"
+            )
+        else:
+            head = (
+                f"sharedmem: out of memory on {self.device}: growing to {self.requested:,} bytes "
+                f"would pass the limit of {self.limit:,} bytes ({self.reserved:,} reserved)"
+            )
+        fix = (
+            "Nothing was lost. To go on: free memory with pool.trim() or release(), "
+            "raise the limit with set_limit(), or use a smaller batch."
+        )
+        return "\n".join(part for part in (head, self.detail, fix) if part)
+
+    def __reduce__(self) -> tuple[type[OutOfMemoryError], tuple[int, int, int | None, str, str]]:
+        # MemoryError pickles only ``args``; keep every field so errors cross processes intact.
+        return (type(self), (self.requested, self.reserved, self.limit, self.device, self.detail))

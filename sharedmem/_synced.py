@@ -1,0 +1,366 @@
+"""SyncedMemory and Head: a grow-only buffer of bytes with a host side and a device side.
+
+This module is the state machine and nothing else. The shape is Caffe's ``SyncedMemory``:
+one enum says which side holds the newest bytes, and every transition lives in ``_to_host``
+and ``_to_device``, each a ``match`` over all four heads. Two things are added because the
+logical size here is a number any view may change:
+
+* ``_written`` is the largest size ever written. Every byte below it has a value the invariant
+  must keep; bytes at or above it have never been written and may hold anything.
+* each side has a ``valid`` mark: that side holds the newest value of every byte below it.
+  The head side always holds every newest byte (``valid >= _written``); the other side may
+  hold only a prefix, for example after it was synced while the size was small. Copies only
+  ever read from the head side, and only the part the other side lacks, so a side synced at a
+  small size never passes its stale tail to the other side.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+
+import torch
+
+from ._backends import Placement, resolve
+from ._devices import DeviceLike
+from ._side import Side
+from ._validate import check_nbytes
+
+__all__ = ["Head", "SyncedMemory"]
+
+# Every state change takes a fresh stamp. Stamps are unique across all memories and threads
+# (next() on a count is atomic under the GIL), so a cache that recorded a stamp can tell that
+# anything at all happened since.
+_stamps = itertools.count(1)
+
+
+class Head(enum.Enum):
+    """Which side of a SyncedMemory holds the newest bytes."""
+
+    UNINITIALIZED = "uninitialized"  # no side touched since creation or release
+    AT_HOST = "at_host"  # the host holds every newest byte; the device may be stale
+    AT_DEVICE = "at_device"  # the device holds every newest byte; the host may be stale
+    SYNCED = "synced"  # both sides hold every newest byte
+
+
+class SyncedMemory:
+    """A grow-only block of bytes with a host side and a device side.
+
+    Each side is allocated on its first access and grown only when an access needs more bytes
+    than it physically has; nothing is freed unless ``shrink_to_fit`` or ``release`` asks.
+    ``set_size`` changes the logical size in O(1) and never touches content.
+
+    Access protocol: write only through the tensor returned by the latest ``mutable_*`` call,
+    before any other access to this memory. Then every byte below the largest size ever written
+    reads back the last value written to it, from either side.
+
+    On ``cpu`` the device side is the host memory itself: device accessors return host memory,
+    nothing is copied, and a touched memory is always ``SYNCED``.
+
+    Args:
+        nbytes: the initial logical size.
+        device: ``"cpu"``, ``"emulated"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
+        backend: the device-side allocator by name (see ``sm.backend_names``); default: the
+            device's stable-address backend.
+        name: a label used in reports and error messages.
+
+    Example::
+
+        >>> import sharedmem as sm
+        >>> m = sm.SyncedMemory(8, device="emulated")
+        >>> m.mutable_host_data().fill_(7)[:2]
+        tensor([7, 7], dtype=torch.uint8)
+        >>> m.device_data()[:2], m.head
+        (tensor([7, 7], dtype=torch.uint8), <Head.SYNCED: 'synced'>)
+    """
+
+    def __init__(
+        self,
+        nbytes: int = 0,
+        *,
+        device: DeviceLike = "cpu",
+        backend: str | None = None,
+        name: str = "",
+        placement: Placement | None = None,
+    ) -> None:
+        self._size = check_nbytes(nbytes)
+        self._placement = placement if placement is not None else resolve(device, backend)
+        self.name = name
+        self._host = Side(self._placement.host)
+        # On cpu both sides are one object, so the device accessors are the host accessors.
+        accel = self._placement.accel
+        self._device = self._host if accel is None else Side(accel)
+        self._head = Head.UNINITIALIZED
+        self._written = 0
+        self._lock = threading.RLock()
+        self.version = next(_stamps)
+        self.num_grows = 0
+        self.grow_copy_bytes = 0
+        self.host_to_device_bytes = 0
+        self.device_to_host_bytes = 0
+
+    # ---- queries -----------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Logical size in bytes: what the accessors return."""
+        return self._size
+
+    @property
+    def host_capacity(self) -> int:
+        """Physical bytes of the host side (0 until first touched)."""
+        return self._host.capacity
+
+    @property
+    def device_capacity(self) -> int:
+        """Physical bytes of the device side (on ``cpu``, the host memory's)."""
+        return self._device.capacity
+
+    @property
+    def head(self) -> Head:
+        return self._head
+
+    @property
+    def device(self) -> str:
+        return self._placement.device
+
+    @property
+    def placement(self) -> Placement:
+        return self._placement
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Unique physical bytes held, both sides (counted once on ``cpu``)."""
+        extra = 0 if self._device is self._host else self._device.capacity
+        return self._host.capacity + extra
+
+    def __repr__(self) -> str:
+        label = f"{self.name!r}, " if self.name else ""
+        return (
+            f"SyncedMemory({label}size={self._size:,}, head={self._head.name}, "
+            f"host_capacity={self.host_capacity:,}, device_capacity={self.device_capacity:,}, "
+            f"device={self.device!r})"
+        )
+
+    # ---- size ----------------------------------------------------------------------------
+
+    def set_size(self, nbytes: int) -> None:
+        """Set the logical size. O(1): never allocates, frees, clears or copies."""
+        n = check_nbytes(nbytes)
+        if n != self._size:
+            with self._lock:  # an accessor in another thread must not see the size change
+                self._size = n
+                self.version = next(_stamps)
+
+    # ---- accessors -----------------------------------------------------------------------
+
+    def host_data(self) -> torch.Tensor:
+        """The host bytes (1-D uint8, ``size`` long) for reading; syncs if the device is newer."""
+        with self._lock:
+            self._to_host(min(self._size, self._written))
+            self._host.settle()
+            return self._host.view(self._size)
+
+    def mutable_host_data(self) -> torch.Tensor:
+        """The host bytes for writing: as ``host_data``, then the host is the head."""
+        with self._lock:
+            self._to_host(self._written)  # the new head must hold every newest byte
+            self._host.settle()
+            self._wrote(self._host)
+            return self._host.view(self._size)
+
+    def device_data(self) -> torch.Tensor:
+        """The device bytes (1-D uint8, ``size`` long) for reading; syncs if the host is newer.
+
+        On CUDA the view is ordered after any copy in flight on the current stream.
+        """
+        if self._device is self._host:
+            return self.host_data()
+        with self._lock:
+            self._to_device(min(self._size, self._written))
+            self._device.order_device()
+            return self._device.view(self._size)
+
+    def mutable_device_data(self) -> torch.Tensor:
+        """The device bytes for writing: as ``device_data``, then the device is the head."""
+        if self._device is self._host:
+            return self.mutable_host_data()
+        with self._lock:
+            self._to_device(self._written)
+            self._device.order_device()
+            self._wrote(self._device)
+            return self._device.view(self._size)
+
+    # ---- asynchronous copies ---------------------------------------------------------------
+
+    def push_async(self, stream: object = None) -> None:
+        """Start copying the host's newer bytes to the device and return at once.
+
+        The next access to either side waits for the copy (the device side on its stream),
+        so no reader ever sees half-copied bytes. A no-op when the device is up to date, and
+        on ``cpu``.
+
+        Args:
+            stream: the CUDA stream to copy on; default: the backend's copy stream.
+        """
+        if self._device is self._host:
+            return
+        with self._lock:
+            self._to_device(min(self._size, self._written), stream=stream, asynchronous=True)
+
+    def pull_async(self, stream: object = None) -> None:
+        """Start copying the device's newer bytes to the host and return at once.
+
+        The next host access waits for the copy. See ``push_async``.
+        """
+        if self._device is self._host:
+            return
+        with self._lock:
+            self._to_host(min(self._size, self._written), stream=stream, asynchronous=True)
+
+    # ---- giving memory back ------------------------------------------------------------
+
+    def shrink_to_fit(self) -> int:
+        """Shrink both sides to the current size; returns the bytes given back.
+
+        Content below the size survives; bytes beyond it are dropped for good.
+        """
+        with self._lock:
+            freed = sum(side.shrink(self._size) for side in self._sides())
+            self._written = min(self._written, self._size)
+            if self._host.block is None and self._device.block is None:
+                self._head = Head.UNINITIALIZED
+            self.version = next(_stamps)
+            return freed
+
+    def release(self) -> int:
+        """Free both sides and drop all content; returns the bytes given back.
+
+        The size is kept; the next access allocates afresh.
+        """
+        with self._lock:
+            freed = sum(side.free() for side in self._sides())
+            self._written = 0
+            self._head = Head.UNINITIALIZED
+            self.version = next(_stamps)
+            return freed
+
+    def release_device(self) -> int:
+        """Free the device side without losing a byte; returns the bytes given back.
+
+        The host first takes every byte only the device holds. On ``cpu`` there is no separate
+        device memory and this returns 0.
+        """
+        if self._device is self._host:
+            return 0
+        with self._lock:
+            if self._device.block is None:
+                return 0
+            if self._head is Head.AT_DEVICE:  # some newest bytes live only on the device
+                self._reserve(self._host, self._written)
+                self._fill(self._host, self._written)
+            self._head = Head.AT_HOST
+            self.version = next(_stamps)
+            return self._device.free()
+
+    def release_host(self) -> int:
+        """Free the host side without losing a byte; returns the bytes given back.
+
+        The device first takes every byte only the host holds. On ``cpu`` there is no separate
+        host memory to drop and this returns 0.
+        """
+        if self._device is self._host:
+            return 0
+        with self._lock:
+            if self._host.block is None:
+                return 0
+            if self._head is Head.AT_HOST:  # some newest bytes live only on the host
+                self._reserve(self._device, self._written)
+                self._fill(self._device, self._written)
+            self._head = Head.AT_DEVICE
+            self.version = next(_stamps)
+            return self._host.free()
+
+    # ---- the state machine -----------------------------------------------------------------
+
+    def _to_host(self, upto: int, *, stream: object = None, asynchronous: bool = False) -> None:
+        """Room on the host for ``size`` bytes, and the newest value of bytes below ``upto``."""
+        self._reserve(self._host, max(self._size, upto))
+        match self._head:
+            case Head.UNINITIALIZED:
+                # First touch: nothing was ever written, so there is nothing to copy.
+                self._head = Head.SYNCED if self._device is self._host else Head.AT_HOST
+            case Head.AT_HOST:
+                pass  # the host already holds every newest byte
+            case Head.SYNCED:
+                pass  # both sides hold every newest byte
+            case Head.AT_DEVICE:
+                self._fill(self._host, upto, stream, asynchronous)
+                if self._host.valid >= self._written:
+                    self._head = Head.SYNCED
+        self.version = next(_stamps)
+
+    def _to_device(self, upto: int, *, stream: object = None, asynchronous: bool = False) -> None:
+        """Room on the device for ``size`` bytes, and the newest value of bytes below ``upto``."""
+        self._reserve(self._device, max(self._size, upto))
+        match self._head:
+            case Head.UNINITIALIZED:
+                self._head = Head.AT_DEVICE
+            case Head.AT_DEVICE:
+                pass  # the device already holds every newest byte
+            case Head.SYNCED:
+                pass
+            case Head.AT_HOST:
+                self._fill(self._device, upto, stream, asynchronous)
+                if self._device.valid >= self._written:
+                    self._head = Head.SYNCED
+        self.version = next(_stamps)
+
+    def _wrote(self, side: Side) -> None:
+        """Record a write intent on ``side``: it becomes the head for bytes below ``size``."""
+        self._written = max(self._written, self._size)
+        side.valid = self._written
+        if side is self._device is self._host:
+            self._head = Head.SYNCED
+            return
+        other = self._device if side is self._host else self._host
+        if self._size:
+            # Stale from byte 0 on. It may still match beyond the size, but the head holds
+            # every newest byte, so forgetting that costs at most a copy, never a byte.
+            other.valid = 0
+        self._head = Head.AT_HOST if side is self._host else Head.AT_DEVICE
+
+    # ---- mechanics -----------------------------------------------------------------------
+
+    def _sides(self) -> tuple[Side, ...]:
+        return (self._host,) if self._device is self._host else (self._host, self._device)
+
+    def _reserve(self, side: Side, nbytes: int) -> None:
+        """Grow ``side`` to at least ``nbytes``, keeping its current bytes at their offsets."""
+        if nbytes > side.capacity:
+            self.grow_copy_bytes += side.grow(nbytes)
+            self.num_grows += 1
+
+    def _fill(
+        self, dst: Side, upto: int, stream: object = None, asynchronous: bool = False
+    ) -> None:
+        """Copy into ``dst`` the bytes below ``upto`` that it lacks, from the head side."""
+        start = dst.valid
+        if upto <= start:
+            return
+        src = self._device if dst is self._host else self._host
+        assert src.valid >= upto and src.block is not None and dst.block is not None
+        # One copy in flight per memory: the accessors wait for it, so this rarely blocks.
+        src.settle()
+        dst.settle()
+        target, source = dst.block.tensor[start:upto], src.block.tensor[start:upto]
+        accel = self._device.backend
+        if dst is self._host:
+            fence = accel.download(target, source, stream=stream, asynchronous=asynchronous)
+            self.device_to_host_bytes += upto - start
+        else:
+            fence = accel.upload(target, source, stream=stream, asynchronous=asynchronous)
+            self.host_to_device_bytes += upto - start
+        dst.fence = src.fence = fence
+        dst.valid = upto

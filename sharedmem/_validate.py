@@ -1,0 +1,108 @@
+"""Argument checks shared by every public entry point.
+
+Each check returns the normalised value or raises ``TypeError`` / ``ValueError`` with a message
+that starts with ``sharedmem:`` and names what was wrong, so a bad call fails before any state
+changes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import torch
+
+__all__ = ["ShapeLike", "check_dtype", "check_name", "check_nbytes", "check_shape"]
+
+ShapeLike: TypeAlias = "int | Sequence[int] | torch.Size"
+
+# Dtypes whose elements are whole bytes and can be viewed from raw uint8 storage. Quantized and
+# sub-byte dtypes carry extra state (scales, bit packing) that a byte buffer cannot hold.
+_SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex32,
+        torch.complex64,
+        torch.complex128,
+        torch.float8_e4m3fn,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2,
+        torch.float8_e5m2fnuz,
+    }
+)
+
+
+def _as_int(value: object, what: str) -> int:
+    # bool is an int subclass, but a size of True is always a bug in the caller.
+    if isinstance(value, bool):
+        raise TypeError(f"sharedmem: {what} must be an integer, got a bool ({value!r})")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"sharedmem: {what} must be an integer, got {type(value).__name__} ({value!r})"
+        ) from None
+
+
+def check_nbytes(value: object, what: str = "nbytes") -> int:
+    """Return ``value`` as a non-negative int byte count."""
+    n = _as_int(value, what)
+    if n < 0:
+        raise ValueError(f"sharedmem: {what} must be >= 0, got {n:,}")
+    return n
+
+
+def check_shape(shape: object) -> torch.Size:
+    """Return ``shape`` (an int or a sequence of ints) as a ``torch.Size`` of sizes >= 0."""
+    if isinstance(shape, (str, bytes)):
+        raise TypeError(f"sharedmem: shape must be a sequence of integers, got {shape!r}")
+    if isinstance(shape, Sequence):
+        dims = [_as_int(d, f"shape dimension {i} of {tuple(shape)!r}") for i, d in enumerate(shape)]
+    else:
+        try:
+            dims = [_as_int(shape, "shape")]
+        except TypeError:
+            raise TypeError(
+                "sharedmem: shape must be an integer or a sequence of integers, "
+                f"got {type(shape).__name__} ({shape!r})"
+            ) from None
+    for i, d in enumerate(dims):
+        if d < 0:
+            raise ValueError(f"sharedmem: shape dimension {i} must be >= 0, got {tuple(dims)!r}")
+    return torch.Size(dims)
+
+
+def check_dtype(dtype: object) -> torch.dtype:
+    """Return ``dtype`` if it is a torch dtype a byte buffer can hold."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"sharedmem: dtype must be a torch.dtype such as torch.float32, got {dtype!r}"
+        )
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(
+            f"sharedmem: dtype {dtype} is not supported (quantized and sub-byte dtypes cannot be "
+            "viewed from raw bytes); use a plain integer, float, complex or bool dtype"
+        )
+    return dtype
+
+
+def check_name(name: object) -> str:
+    """Return ``name`` if it is a non-empty string (buffer names in a pool)."""
+    if not isinstance(name, str):
+        raise TypeError(f"sharedmem: buffer name must be a str, got {type(name).__name__}")
+    if not name:
+        raise ValueError("sharedmem: buffer name must not be empty")
+    return name

@@ -1,0 +1,93 @@
+"""Capability flags, skip marks, a printed seed for every randomized test, and state resets."""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import sharedmem as sm
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU on this machine")
+
+# Devices every generic test runs on: CI has cpu and emulated; a GPU machine adds cuda.
+DEVICES = [
+    "cpu",
+    "emulated",
+    pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda]),
+]
+# Host/device pairs (the ones with a separate device side), with every backend of each.
+TWO_SIDED = [
+    pytest.param(("emulated", "reserved"), id="emulated-reserved"),
+    pytest.param(("emulated", "pageable"), id="emulated-pageable"),
+    *(
+        pytest.param(("cuda", b), id=f"cuda-{b}", marks=[pytest.mark.cuda, requires_cuda])
+        for b in ("vmm", "cudart", "torch")
+    ),
+]
+ALL_PLACEMENTS = [
+    pytest.param(("cpu", "reserved"), id="cpu-reserved"),
+    pytest.param(("cpu", "pageable"), id="cpu-pageable"),
+    *TWO_SIDED,
+]
+
+settings.register_profile(
+    "sharedmem",
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    max_examples=int(os.environ.get("SHAREDMEM_HYPOTHESIS_EXAMPLES", "100")),
+)
+settings.load_profile("sharedmem")
+
+_SEED = int(os.environ.get("SHAREDMEM_SEED", random.SystemRandom().randrange(2**31)))
+
+
+def pytest_report_header() -> str:
+    return f"sharedmem: random seed {_SEED} (rerun with SHAREDMEM_SEED={_SEED})"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One seed drives hypothesis and every hand-written randomized test of the run.
+    if config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = _SEED
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> Iterator[int]:
+    """A per-test seed derived from the run's seed; printed when the test fails."""
+    value = (_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**31
+    yield value
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        node = request.node.nodeid
+        print(f"\nsharedmem: {node} failed with seed {value} (SHAREDMEM_SEED={_SEED})")
+
+
+@pytest.fixture
+def rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+@pytest.fixture(autouse=True)
+def _reset_torch_rng() -> None:
+    torch.manual_seed(0)
+
+
+def make_memory(placement: tuple[str, str], nbytes: int = 0) -> sm.SyncedMemory:
+    device, backend = placement
+    return sm.SyncedMemory(nbytes, device=device, backend=backend)

@@ -1,0 +1,137 @@
+"""Errors: the hierarchy, OutOfMemoryError's fields and pickling, and every bad argument."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import sharedmem as sm
+
+
+def test_out_of_memory_error_is_a_memory_error_with_its_numbers() -> None:
+    err = sm.OutOfMemoryError(3_000_000, 1_000_000, 2_000_000, "emulated", "biggest: 'x'")
+    assert isinstance(err, sm.SharedMemError) and isinstance(err, MemoryError)
+    assert (err.requested, err.reserved, err.limit, err.device) == (
+        3_000_000,
+        1_000_000,
+        2_000_000,
+        "emulated",
+    )
+    text = str(err)
+    assert text.startswith("sharedmem: out of memory on emulated")
+    assert "3,000,000" in text and "2,000,000" in text and "biggest: 'x'" in text
+    assert "set_limit" in text and "trim" in text  # says what to do
+
+
+def test_out_of_memory_error_pickles_with_every_field() -> None:
+    err = sm.OutOfMemoryError(10, 20, None, "cuda:1", "detail")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is sm.OutOfMemoryError
+    assert (back.requested, back.reserved, back.limit, back.device, back.detail) == (
+        10,
+        20,
+        None,
+        "cuda:1",
+        "detail",
+    )
+    assert str(back) == str(err)
+
+
+BAD_SIZES = [
+    (-1, ValueError, r"^sharedmem: nbytes must be >= 0, got -1$"),
+    (1.5, TypeError, r"^sharedmem: nbytes must be an integer, got float \(1\.5\)$"),
+    ("10", TypeError, r"^sharedmem: nbytes must be an integer, got str"),
+    (True, TypeError, r"^sharedmem: nbytes must be an integer, got a bool"),
+    (None, TypeError, r"^sharedmem: nbytes must be an integer, got NoneType"),
+]
+
+
+@pytest.mark.parametrize(("value", "error", "message"), BAD_SIZES)
+def test_bad_sizes(value: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        sm.SyncedMemory(value)  # type: ignore[arg-type]
+    m = sm.SyncedMemory(8)
+    with pytest.raises(error, match=message):
+        m.set_size(value)  # type: ignore[arg-type]
+    assert m.size == 8  # the refused call changed nothing
+
+
+def test_numpy_integers_are_sizes() -> None:
+    assert sm.SyncedMemory(np.int64(5)).size == 5
+
+
+BAD_SHAPES = [
+    ((2, -1), ValueError, r"^sharedmem: shape dimension 1 must be >= 0, got \(2, -1\)$"),
+    ((2.0, 3), TypeError, r"^sharedmem: shape dimension 0 of \(2\.0, 3\) must be an integer"),
+    ("23", TypeError, r"^sharedmem: shape must be a sequence of integers, got '23'$"),
+    (2.5, TypeError, r"^sharedmem: shape must be an integer or a sequence of integers, got float"),
+    ((None,), TypeError, r"^sharedmem: shape dimension 0 of \(None,\) must be an integer"),
+]
+
+
+@pytest.mark.parametrize(("shape", "error", "message"), BAD_SHAPES)
+def test_bad_shapes(shape: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        sm.Blob(shape)  # type: ignore[arg-type]
+    b = sm.Blob((4,))
+    with pytest.raises(error, match=message):
+        b.reshape(shape)
+    assert b.shape == (4,)
+
+
+BAD_DTYPES = [
+    ("float32", TypeError, r"^sharedmem: dtype must be a torch\.dtype such as torch\.float32"),
+    (np.float32, TypeError, r"^sharedmem: dtype must be a torch\.dtype"),
+    (torch.qint8, ValueError, r"^sharedmem: dtype torch\.qint8 is not supported"),
+    (torch.uint4, ValueError, r"^sharedmem: dtype torch\.uint4 is not supported"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "error", "message"), BAD_DTYPES)
+def test_bad_dtypes(dtype: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        sm.Blob((2,), dtype)  # type: ignore[arg-type]
+    b = sm.Blob((2,))
+    with pytest.raises(error, match=message):
+        b.astype(dtype)  # type: ignore[arg-type]
+    assert b.dtype == torch.float32
+
+
+BAD_DEVICES = [
+    ("mps", ValueError, r"^sharedmem: unknown device 'mps'; use 'cpu', 'emulated', 'cuda'"),
+    ("cuda:x", ValueError, r"^sharedmem: unknown device 'cuda:x'"),
+    ("cpu:1", ValueError, r"^sharedmem: unknown device 'cpu:1'"),
+    (torch.device("meta"), ValueError, r"^sharedmem: unknown device device\(type='meta'\)"),
+    (0, TypeError, r"^sharedmem: device must be a str or torch\.device, got int"),
+]
+
+
+@pytest.mark.parametrize(("device", "error", "message"), BAD_DEVICES)
+def test_bad_devices(device: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        sm.SyncedMemory(device=device)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        sm.Blob((1,), device=device)  # type: ignore[arg-type]
+
+
+def test_bad_backends() -> None:
+    with pytest.raises(ValueError, match=r"^sharedmem: unknown backend 'vmm' for device 'cpu'; "):
+        sm.SyncedMemory(device="cpu", backend="vmm")
+    with pytest.raises(TypeError, match=r"^sharedmem: backend must be a str or None, got int"):
+        sm.SyncedMemory(device="emulated", backend=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:3", torch.device("cuda", 1)])
+def test_cuda_without_a_gpu_names_the_devices_that_work(device: object) -> None:
+    with pytest.raises(sm.SharedMemError, match=r"^sharedmem: device 'cuda.*' is not usable") as e:
+        sm.SyncedMemory(device=device)  # type: ignore[arg-type]
+    assert "Devices that work here: 'cpu', 'emulated'" in str(e.value)
+
+
+def test_cpu_and_emulated_accept_torch_devices() -> None:
+    assert sm.SyncedMemory(device=torch.device("cpu")).device == "cpu"
+    assert sm.SyncedMemory(device=" emulated ").device == "emulated"
