@@ -12,12 +12,14 @@ from ._backends import backend_names
 from ._blob import Blob
 from ._devices import available_devices
 from ._errors import OutOfMemoryError, SharedMemError
+from ._pool import BufferPool
 from ._synced import Head, SyncedMemory
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Blob",
+    "BufferPool",
     "Head",
     "OutOfMemoryError",
     "SharedMemError",

@@ -25,7 +25,9 @@ def test_readme_python_blocks_run(index: int) -> None:
 
 
 MODULES = sorted(
-    m.name for m in pkgutil.walk_packages(sharedmem.__path__, "sharedmem.") if "cuda" not in m.name
+    m.name
+    for m in pkgutil.walk_packages(sharedmem.__path__, "sharedmem.")
+    if "cuda" not in m.name and m.name != "sharedmem.__main__"  # __main__ runs the CLI
 )
 
 

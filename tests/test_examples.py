@@ -22,7 +22,7 @@ def load(name: str) -> ModuleType:
 
 
 def test_every_example_has_a_test() -> None:
-    tested = {"host_staging"}
+    tested = {"host_staging", "train_eval_shared", "variable_length"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -36,3 +36,19 @@ def test_host_staging_stops_growing_after_warmup(
     assert "staged 40 batches" in capsys.readouterr().out
     if device == "emulated":
         assert stats["host_to_device_bytes"] > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_train_eval_shared_evaluates_in_bfloat16_on_the_train_buffers(device: str) -> None:
+    result = load("train_eval_shared").main(["--device", device, "--steps", "50"])
+    assert result["eval_bytes"] == 0 < result["train_bytes"]
+    assert result["last_loss"] < result["first_loss"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_variable_length_stops_growing_at_the_high_water_marks(device: str) -> None:
+    result = load("variable_length").main(["--device", device, "--batches", "60"])
+    assert result["grows_after_warmup"] == 0
+    high_water = result["high_water_bytes"]
+    assert high_water <= result["reserved_bytes"] <= 1.05 * high_water
+    assert result["allocated_by_torch"] > 10 * result["reserved_bytes"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import torch
 
@@ -69,8 +69,9 @@ class Backend(ABC):
         device: the torch device string of the tensors the blocks hold.
     """
 
-    kind: ClassVar[str]
-    stable_address: ClassVar[bool]
+    # Class attributes on concrete backends; adaptors copy them from their upstream.
+    kind: str
+    stable_address: bool
 
     def __init__(self, *, device: str, granularity: int) -> None:
         self.device = device

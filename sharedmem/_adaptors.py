@@ -1,0 +1,152 @@
+"""Backend adaptors a pool wraps around its device's backends (RMM style: features by
+composition). ``AccountedBackend`` reports every change of capacity to the pool's ledger;
+``LimitedBackend`` refuses a growth that would pass the pool's limit, and turns any
+out-of-memory error into one that names the buffer and the biggest buffers of the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ._backends import Backend, Block, Fence
+from ._errors import OutOfMemoryError
+from ._ledger import Ledger
+
+__all__ = ["AccountedBackend", "BackendAdaptor", "LimitedBackend"]
+
+
+class BackendAdaptor(Backend):
+    """Forwards everything to ``upstream``; subclasses change what they need."""
+
+    def __init__(self, upstream: Backend) -> None:
+        # No Backend.__init__: the adaptor has no storage of its own, only its upstream's.
+        self.upstream = upstream
+        self.kind = upstream.kind
+        self.stable_address = upstream.stable_address
+        self.device = upstream.device
+        self.granularity = upstream.granularity
+        self._empty = upstream.empty()
+
+    def _allocate(self, nbytes: int) -> Block:
+        return self.upstream.allocate(nbytes)
+
+    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        return self.upstream.grow(block, nbytes, keep)
+
+    def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        new, copied = self.upstream.shrink(block, nbytes, keep)
+        assert new is not None  # Backend.shrink frees (rather than shrinks) to zero
+        return new, copied
+
+    def _free(self, block: Block) -> None:
+        self.upstream.free(block)
+
+    def upload(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        stream: object = None,
+        asynchronous: bool = False,
+    ) -> Fence | None:
+        return self.upstream.upload(dst, src, stream=stream, asynchronous=asynchronous)
+
+    def download(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        stream: object = None,
+        asynchronous: bool = False,
+    ) -> Fence | None:
+        return self.upstream.download(dst, src, stream=stream, asynchronous=asynchronous)
+
+
+class AccountedBackend(BackendAdaptor):
+    """Reports every capacity change of one side to a ledger."""
+
+    def __init__(self, upstream: Backend, ledger: Ledger, side: str) -> None:
+        super().__init__(upstream)
+        self.ledger = ledger
+        self.side = side
+
+    def _allocate(self, nbytes: int) -> Block:
+        block = super()._allocate(nbytes)
+        self.ledger.change(self.side, block.capacity)
+        return block
+
+    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        new, copied = super()._grow(block, nbytes, keep)
+        # A block that moved was allocated while the old one was still held.
+        moved = new.address != block.address
+        self.ledger.change(self.side, new.capacity - block.capacity, block.capacity if moved else 0)
+        return new, copied
+
+    def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        new, copied = super()._shrink(block, nbytes, keep)
+        moved = new.address != block.address
+        self.ledger.change(self.side, new.capacity - block.capacity, block.capacity if moved else 0)
+        return new, copied
+
+    def _free(self, block: Block) -> None:
+        super()._free(block)
+        self.ledger.change(self.side, -block.capacity)
+
+
+class LimitedBackend(BackendAdaptor):
+    """Refuses growth past ``limit()`` reserved bytes; names the buffer when memory runs out.
+
+    Args:
+        upstream: the accounted backend of the limited side.
+        ledger: the pool's ledger (its lock makes check-and-grow atomic across threads).
+        limit: returns the pool's current limit (``None``: no limit).
+        explain: given the buffer's label and whether the allocator itself failed, returns
+            the text that names the buffer and the biggest buffers of the pool.
+        label: the buffer's name.
+        device: the pool's device string, for the error.
+    """
+
+    def __init__(
+        self,
+        upstream: Backend,
+        ledger: Ledger,
+        limit: Callable[[], int | None],
+        explain: Callable[[str, bool], str],
+        label: str,
+        device: str,
+    ) -> None:
+        super().__init__(upstream)
+        self.ledger = ledger
+        self.limit = limit
+        self.explain = explain
+        self.label = label
+        self.device_name = device
+
+    @contextmanager
+    def _within_limit(self, old: int, new: int) -> Iterator[None]:
+        with self.ledger.lock:  # held across the growth: two threads cannot both pass
+            limit = self.limit()
+            reserved = self.ledger.device_reserved
+            if limit is not None and reserved - old + new > limit:
+                detail = self.explain(self.label, False)
+                raise OutOfMemoryError(new, reserved, limit, self.device_name, detail)
+            try:
+                yield
+            except OutOfMemoryError as failure:
+                if failure.detail:
+                    raise
+                detail = self.explain(self.label, True)
+                raise OutOfMemoryError(
+                    failure.requested, failure.reserved, failure.limit, failure.device, detail
+                ) from None
+
+    def _allocate(self, nbytes: int) -> Block:
+        with self._within_limit(0, nbytes):
+            return super()._allocate(nbytes)
+
+    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        with self._within_limit(block.capacity, nbytes):
+            return super()._grow(block, nbytes, keep)

@@ -1,0 +1,284 @@
+"""BufferPool: named buffers that every net and every step share, with a limit and stats."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ._adaptors import AccountedBackend, LimitedBackend
+from ._backends import Placement, resolve
+from ._blob import Blob
+from ._devices import DeviceLike
+from ._ledger import Ledger
+from ._phases import PhaseBook
+from ._report import biggest_buffers, format_report
+from ._synced import SyncedMemory
+from ._validate import ShapeLike, check_name, check_nbytes
+
+__all__ = ["BufferPool"]
+
+# What the fast path remembers per name: the shape and dtype it was asked for, the memory
+# and its version stamp when the view was made, and the view.
+_Entry = tuple[object, torch.dtype, SyncedMemory, int, torch.Tensor]
+
+
+class BufferPool:
+    """Named buffers shared by every net and every step, grown to the largest request.
+
+    A name is one memory: a training net and an evaluation net, or every batch size of one
+    net, that ask for the same name get the same bytes, grown to the largest request ever
+    seen and then left in place. ``tensor`` is the hot path of a custom loop: in steady state
+    (same name, shape and dtype as last time, nothing moved) it costs a dictionary lookup.
+
+    Views are valid until the next access that changes the buffer; on a moving backend a
+    growth leaves old views on the old storage. Ask for the view every step.
+
+    Threads may acquire, grow and read buffers of one pool at once. Two threads writing one
+    buffer (or reshaping one name differently) at the same time race on the bytes, as they
+    would on one tensor: that is the caller's to avoid.
+
+    Args:
+        device: ``"cpu"``, ``"emulated"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
+        limit: a cap on reserved device bytes (on ``cpu``, on the one memory); ``None``: none.
+        backend: the device-side allocator by name (see ``sm.backend_names``).
+
+    Example::
+
+        >>> import torch, sharedmem as sm
+        >>> pool = sm.BufferPool("cpu")
+        >>> x = pool.tensor("fc1.out", (256, 1024))      # train net, batch 256
+        >>> y = pool.tensor("fc1.out", (250, 1024))      # eval net, batch 250: same bytes
+        >>> x.data_ptr() == y.data_ptr(), pool.stats()["num_buffers"]
+        (True, 1)
+    """
+
+    def __init__(
+        self,
+        device: DeviceLike = "cpu",
+        *,
+        limit: int | None = None,
+        backend: str | None = None,
+    ) -> None:
+        self._base = resolve(device, backend)
+        self._limit = None if limit is None else check_nbytes(limit, "limit")
+        self._ledger = Ledger(single=self._base.accel is None)
+        self._blobs: dict[str, Blob] = {}
+        self._high_water: dict[str, int] = {}
+        self._fast: dict[str, _Entry] = {}
+        self._fast_host: dict[str, _Entry] = {}
+        self._lock = threading.Lock()  # guards creating names, not using them
+        self._phases = PhaseBook(self._ledger, self._counters)
+        self._unpooled = 0
+        # The host side of a two-sided device is accounted but never limited.
+        self._host = AccountedBackend(self._base.host, self._ledger, "host")
+        self._accel = (
+            None
+            if self._base.accel is None
+            else AccountedBackend(self._base.accel, self._ledger, "device")
+        )
+
+    # ---- names -----------------------------------------------------------------------------
+
+    @property
+    def device(self) -> str:
+        return self._base.device
+
+    def names(self) -> list[str]:
+        """The buffer names, in the order they were first asked for."""
+        return list(self._blobs)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._blobs
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._blobs))
+
+    def __repr__(self) -> str:
+        return (
+            f"BufferPool(device={self.device!r}, buffers={len(self)}, "
+            f"reserved={self._ledger.total:,}, limit={self._limit})"
+        )
+
+    def _placement(self, name: str) -> Placement:
+        # Each name gets adaptors that know it, so an out-of-memory error can name the buffer.
+        limited = self._host if self._accel is None else self._accel
+        guarded = LimitedBackend(
+            limited, self._ledger, lambda: self._limit, self._explain, name, self.device
+        )
+        if self._accel is None:
+            return Placement(self.device, guarded, None)
+        return Placement(self.device, self._host, guarded)
+
+    def blob(
+        self, name: str, shape: ShapeLike | None = None, dtype: torch.dtype | None = None
+    ) -> Blob:
+        """The named blob, created on first use (shape ``(0,)``, float32 unless given).
+
+        A given ``shape`` or ``dtype`` is applied (O(1)); the memory grows on the next access.
+        """
+        blob = self._blobs.get(name)
+        if blob is None:
+            check_name(name)
+            with self._lock:
+                blob = self._blobs.get(name)
+                if blob is None:
+                    blob = Blob((0,), name=name, placement=self._placement(name))
+                    self._blobs[name] = blob
+        if dtype is not None:
+            blob.astype(dtype)
+        if shape is not None:
+            blob.reshape(shape)
+        return blob
+
+    # ---- the hot path ------------------------------------------------------------------
+
+    def tensor(
+        self, name: str, shape: ShapeLike, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The named buffer's device-side view, with write intent; the hot path of a loop.
+
+        Each call returns a new tensor object (an alias of the same bytes), so changing one
+        view's metadata in place (``resize_``, ``t_``) cannot disturb the next call's.
+        """
+        entry = self._fast.get(name)
+        if (
+            entry is not None
+            and entry[0] == shape
+            and entry[1] is dtype
+            and entry[2].version == entry[3]
+        ):
+            return entry[4].detach()
+        return self._acquire(self._fast, name, shape, dtype, Blob.mutable_data)
+
+    def host_tensor(
+        self, name: str, shape: ShapeLike, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The named buffer's host-side view, with write intent (staging, offload)."""
+        entry = self._fast_host.get(name)
+        if (
+            entry is not None
+            and entry[0] == shape
+            and entry[1] is dtype
+            and entry[2].version == entry[3]
+        ):
+            return entry[4].detach()
+        return self._acquire(self._fast_host, name, shape, dtype, Blob.mutable_host_data)
+
+    def _acquire(
+        self,
+        cache: dict[str, _Entry],
+        name: str,
+        shape: ShapeLike,
+        dtype: torch.dtype,
+        access: Callable[[Blob], torch.Tensor],
+    ) -> torch.Tensor:
+        blob = self.blob(name, shape, dtype)
+        memory = blob.data_memory
+        # Remember the shape as the caller spells it (a tuple, an int) when that compares
+        # equal next time; anything else (a list) as the normalised size.
+        key = shape if isinstance(shape, (tuple, int)) else blob.shape
+        with memory._lock:  # the view and its stamp must describe the same state
+            view = access(blob)
+            cache[name] = (key, dtype, memory, memory.version, view)
+        if blob.nbytes > self._high_water.get(name, 0):
+            self._high_water[name] = blob.nbytes
+        return view.detach()
+
+    # ---- limit, trimming ---------------------------------------------------------------
+
+    @property
+    def limit(self) -> int | None:
+        """The cap on reserved device bytes, or ``None``."""
+        return self._limit
+
+    def set_limit(self, nbytes: int | None) -> None:
+        """Set or clear (``None``) the cap on reserved device bytes.
+
+        A limit below what is reserved now frees nothing; it refuses further growth.
+        """
+        self._limit = None if nbytes is None else check_nbytes(nbytes, "limit")
+
+    def trim(self) -> int:
+        """Shrink every buffer to its current size; returns the bytes given back."""
+        return sum(memory.shrink_to_fit() for memory in self._memories())
+
+    def release(self) -> int:
+        """Free every buffer's memory (names stay, content goes); returns the bytes freed."""
+        return sum(memory.release() for memory in self._memories())
+
+    def count_unpooled(self, nbytes: int) -> None:
+        """Record bytes a layer on top of the pool had to allocate outside it."""
+        self._unpooled += check_nbytes(nbytes)
+
+    # ---- stats -----------------------------------------------------------------------------
+
+    def _memories(self) -> list[SyncedMemory]:
+        # Blobs may share memories (share_data): count each memory once.
+        seen: dict[int, SyncedMemory] = {}
+        for blob in list(self._blobs.values()):
+            for memory in (blob.data_memory, blob.grad_memory):
+                seen.setdefault(id(memory), memory)
+        return list(seen.values())
+
+    def _counters(self) -> dict[str, int]:
+        totals = dict.fromkeys(
+            ("num_grows", "grow_copy_bytes", "host_to_device_bytes", "device_to_host_bytes"), 0
+        )
+        for memory in self._memories():
+            totals["num_grows"] += memory.num_grows
+            totals["grow_copy_bytes"] += memory.grow_copy_bytes
+            totals["host_to_device_bytes"] += memory.host_to_device_bytes
+            totals["device_to_host_bytes"] += memory.device_to_host_bytes
+        return totals
+
+    def stats(self) -> dict[str, int]:
+        """The pool's figures, all ints (bytes unless named otherwise).
+
+        ``reserved_bytes`` counts unique physical bytes on both sides; ``active_bytes`` is the
+        logical size of every buffer that holds memory, capped at what it holds;
+        ``high_water_bytes`` the sum of each name's largest request.
+        """
+        ledger = self._ledger
+        active = sum(min(m.size, max(m.host_capacity, m.device_capacity)) for m in self._memories())
+        return {
+            "num_buffers": len(self._blobs),
+            "reserved_bytes": ledger.total,
+            "device_reserved_bytes": ledger.device_reserved,
+            "host_reserved_bytes": ledger.host,
+            "active_bytes": active,
+            "peak_reserved_bytes": ledger.peak,
+            "high_water_bytes": sum(self._high_water.values()),
+            "unpooled_bytes": self._unpooled,
+            **self._counters(),
+        }
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute growth, peaks and traffic inside the block to the phase ``name``.
+
+        Phases may nest and repeat; ``phase_stats()`` adds up every time a phase was open.
+        """
+        check_name(name)
+        with self._phases.open(name):
+            yield
+
+    def phase_stats(self) -> dict[str, dict[str, int]]:
+        """Per phase: ``entries``, ``peak_reserved_bytes``, ``added_reserved_bytes`` (both
+        sides), ``added_device_bytes`` and the traffic counters (``num_grows``,
+        ``grow_copy_bytes``, ``host_to_device_bytes``, ``device_to_host_bytes``), summed over
+        every time the phase was open."""
+        return self._phases.stats()
+
+    def report(self) -> str:
+        """A table a person reads: every buffer, biggest first, totals last."""
+        return format_report(self.device, self._blobs, self._high_water, self.stats())
+
+    def _explain(self, label: str, allocator_failed: bool) -> str:
+        text = f"buffer {label!r} could not grow; biggest buffers: {biggest_buffers(self._blobs)}"
+        return text + ("\n" + self.report() if allocator_failed else "")

@@ -1,0 +1,95 @@
+"""The pool's report: a table a person reads, biggest buffers first, totals last."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ._blob import Blob
+from ._synced import SyncedMemory
+
+__all__ = ["biggest_buffers", "format_report", "human_bytes"]
+
+
+def human_bytes(n: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``; exact counts go in ``{:,}`` elsewhere."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _rows(blobs: Mapping[str, Blob]) -> list[tuple[str, Blob, SyncedMemory]]:
+    rows = []
+    for name, blob in blobs.items():
+        rows.append((name, blob, blob.data_memory))
+        if blob.grad_memory.reserved_bytes:  # gradients show only where they hold memory
+            rows.append((f"{name}.grad", blob, blob.grad_memory))
+    return sorted(rows, key=lambda row: (-row[2].reserved_bytes, row[0]))
+
+
+def biggest_buffers(blobs: Mapping[str, Blob], count: int = 3) -> str:
+    """The ``count`` biggest buffers as ``'a' 1,024 bytes, 'b' ...`` (or ``none``)."""
+    rows = [row for row in _rows(blobs) if row[2].reserved_bytes][:count]
+    if not rows:
+        return "none"
+    return ", ".join(f"{name!r} {memory.reserved_bytes:,} bytes" for name, _, memory in rows)
+
+
+def format_report(
+    device: str, blobs: Mapping[str, Blob], high_water: Mapping[str, int], stats: Mapping[str, int]
+) -> str:
+    """Every buffer (name, shape, dtype, sizes, capacities, head, grows), totals last."""
+    header = (
+        "name",
+        "shape",
+        "dtype",
+        "size",
+        "high-water",
+        "host cap",
+        "device cap",
+        "head",
+        "grows",
+    )
+    table = [header]
+    for name, blob, memory in _rows(blobs):
+        table.append(
+            (
+                name,
+                "x".join(str(d) for d in blob.shape) or "()",
+                str(blob.dtype).removeprefix("torch."),
+                f"{memory.size:,}",
+                f"{high_water.get(name, 0):,}" if memory is blob.data_memory else "",
+                f"{memory.host_capacity:,}",
+                f"{memory.device_capacity:,}",
+                memory.head.name,
+                f"{memory.num_grows:,}",
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    numeric = {3, 4, 5, 6, 8}
+
+    def line(row: tuple[str, ...]) -> str:
+        cells = (
+            cell.rjust(widths[i]) if i in numeric else cell.ljust(widths[i])
+            for i, cell in enumerate(row)
+        )
+        return "  ".join(cells).rstrip()
+
+    rule = "-" * len(line(header))
+    out = [f"BufferPool on {device}: {len(blobs)} buffers", line(header), rule]
+    out += [line(row) for row in table[1:]]
+    out.append(rule)
+    out.append(
+        f"reserved {stats['reserved_bytes']:,} bytes ({human_bytes(stats['reserved_bytes'])}: "
+        f"host {stats['host_reserved_bytes']:,}, device {stats['device_reserved_bytes']:,}), "
+        f"peak {stats['peak_reserved_bytes']:,}, active {stats['active_bytes']:,}"
+    )
+    out.append(
+        f"grows {stats['num_grows']:,} (copied {stats['grow_copy_bytes']:,} bytes), "
+        f"host->device {stats['host_to_device_bytes']:,} bytes, "
+        f"device->host {stats['device_to_host_bytes']:,} bytes"
+        + (f", unpooled {stats['unpooled_bytes']:,} bytes" if stats["unpooled_bytes"] else "")
+    )
+    return "\n".join(out)

@@ -1,0 +1,353 @@
+"""BufferPool: sharing by name, the fast path, limit and OOM, stats, report, phases, threads."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICES
+
+import sharedmem as sm
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_name_is_one_memory_grown_to_the_larger_need(device: str) -> None:
+    pool = sm.BufferPool(device)
+    train = pool.tensor("fc1.out", (256, 1024))  # float32, 1 MiB
+    evaluation = pool.tensor("fc1.out", (250, 1024), torch.float64)  # 2,048,000 bytes
+    assert evaluation.dtype == torch.float64 and evaluation.shape == (250, 1024)
+    assert len(pool) == 1 and "fc1.out" in pool and pool.names() == ["fc1.out"]
+    memory = pool.blob("fc1.out").data_memory
+    assert memory.device_capacity >= 250 * 1024 * 8
+    assert pool.stats()["device_reserved_bytes"] == memory.device_capacity
+    again = pool.tensor("fc1.out", (256, 1024))
+    assert pool.stats()["num_grows"] == 2  # first allocation, then the float64 growth
+    if device != "cuda":  # stable addresses on cpu and emulated
+        assert train.data_ptr() == evaluation.data_ptr() == again.data_ptr()
+
+
+def test_steady_state_does_not_grow_and_hits_the_fast_path() -> None:
+    pool = sm.BufferPool("emulated")
+    shapes = [(64, 128), (32, 128), (64, 100), (1, 1)]
+    for shape in shapes:  # warm-up: grows once to the largest
+        pool.tensor("act", shape)
+    grows = pool.stats()["num_grows"]
+    for _ in range(50):
+        for shape in shapes:
+            view = pool.tensor("act", shape)
+            assert view.shape == shape
+    assert pool.stats()["num_grows"] == grows
+    first, second = pool.tensor("act", (4, 4)), pool.tensor("act", (4, 4))
+    assert first is not second and first.data_ptr() == second.data_ptr()
+    first.t_()  # changing a view's metadata does not disturb the next call's view
+    assert pool.tensor("act", (4, 4)).shape == (4, 4) and pool.tensor("act", (4, 8)).shape == (4, 8)
+
+
+def test_anything_that_moves_storage_invalidates_the_fast_path() -> None:
+    pool = sm.BufferPool("emulated", backend="pageable")  # growth moves
+    small = pool.tensor("x", (10,))
+    small.fill_(3.0)
+    pool.tensor("x", (100_000,))  # grows: new storage
+    view = pool.tensor("x", (10,))
+    assert view.data_ptr() != small.data_ptr()
+    assert view.tolist() == [3.0] * 10  # content moved with it
+    pool.host_tensor("x", (10,)).fill_(4.0)  # the host becomes the head
+    assert pool.tensor("x", (10,)).tolist() == [4.0] * 10  # the device view syncs again
+    pool.trim()  # shrinks (moves again)
+    assert pool.tensor("x", (10,)).tolist() == [4.0] * 10
+    pool.blob("x").data_memory.release()
+    after = pool.tensor("x", (10,))
+    assert pool.blob("x").data_memory.device_capacity > 0 and after.shape == (10,)
+
+
+def test_shapes_spelt_as_ints_lists_and_sizes_all_work() -> None:
+    pool = sm.BufferPool("cpu")
+    assert pool.tensor("a", 5).shape == (5,)
+    assert pool.tensor("a", [2, 3]).shape == (2, 3)
+    assert pool.tensor("a", torch.Size([3, 2])).shape == (3, 2)
+    assert pool.tensor("a", (np.int64(6),)).shape == (6,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_refused_growth_loses_nothing(device: str) -> None:
+    pool = sm.BufferPool(device, limit=3 * MiB)
+    pool.tensor("a", (MiB // 4,)).fill_(1.0)  # 1 MiB
+    pool.tensor("b", (MiB // 8,)).fill_(2.0)  # 0.5 MiB
+    before = pool.stats()
+    with pytest.raises(sm.OutOfMemoryError) as caught:
+        pool.tensor("a", (MiB,))  # 4 MiB: past the limit
+    err = caught.value
+    assert err.limit == 3 * MiB and err.requested >= 4 * MiB
+    assert err.reserved == before["device_reserved_bytes"]
+    after = pool.stats()
+    assert after["reserved_bytes"] == before["reserved_bytes"]
+    assert after["num_grows"] == before["num_grows"]
+    assert pool.tensor("a", (MiB // 4,)).min().item() == 1.0  # content kept
+    assert pool.tensor("b", (MiB // 8,)).max().item() == 2.0
+    with pytest.raises(sm.OutOfMemoryError):
+        pool.tensor("c", (MiB,))  # a new buffer is refused too
+    assert "c" in pool and pool.blob("c").data_memory.reserved_bytes == 0
+    pool.set_limit(None)
+    assert pool.tensor("a", (MiB,)).shape == (MiB,)  # the fix works
+
+
+def test_the_out_of_memory_message_says_what_and_what_to_do() -> None:
+    pool = sm.BufferPool("emulated", limit=2 * MiB)
+    for name, n in (("small", 1000), ("medium", 100_000), ("large", 200_000), ("tiny", 10)):
+        pool.tensor(name, (n,))
+    with pytest.raises(sm.OutOfMemoryError) as caught:
+        pool.tensor("huge", (MiB,))
+    text = str(caught.value)
+    assert text.startswith("sharedmem: out of memory on emulated")
+    assert "'huge'" in text  # the buffer
+    assert f"{4 * MiB:,}" in text  # the request
+    assert f"{2 * MiB:,}" in text  # the limit
+    assert f"{pool.stats()['device_reserved_bytes']:,} reserved" in text
+    assert "biggest buffers: 'large' 802,816 bytes, 'medium' 401,408 bytes, 'small'" in text
+    assert "'tiny'" not in text  # only three
+    assert "trim()" in text and "set_limit()" in text and "smaller batch" in text
+    assert pickle.loads(pickle.dumps(caught.value)).limit == 2 * MiB
+
+
+def test_limit_caps_device_bytes_only_on_two_sided_devices() -> None:
+    pool = sm.BufferPool("emulated", limit=MiB)
+    pool.host_tensor("staging", (MiB,))  # 4 MiB of host memory: not limited
+    assert pool.stats()["host_reserved_bytes"] >= 4 * MiB
+    with pytest.raises(sm.OutOfMemoryError):
+        pool.tensor("staging", (MiB,))  # the same bytes on the device are
+    assert pool.limit == MiB
+
+
+def test_limit_validation() -> None:
+    with pytest.raises(ValueError, match=r"^sharedmem: limit must be >= 0, got -1"):
+        sm.BufferPool(limit=-1)
+    pool = sm.BufferPool()
+    with pytest.raises(TypeError, match=r"^sharedmem: limit must be an integer, got float"):
+        pool.set_limit(1.5)  # type: ignore[arg-type]
+    assert pool.limit is None
+
+
+STATS_KEYS = {
+    "num_buffers",
+    "reserved_bytes",
+    "device_reserved_bytes",
+    "host_reserved_bytes",
+    "active_bytes",
+    "peak_reserved_bytes",
+    "num_grows",
+    "grow_copy_bytes",
+    "host_to_device_bytes",
+    "device_to_host_bytes",
+}
+
+
+def test_stats_keys_and_traffic_on_emulated() -> None:
+    pool = sm.BufferPool("emulated")
+    stats = pool.stats()
+    assert set(stats) >= STATS_KEYS and all(type(v) is int for v in stats.values())
+    pool.host_tensor("x", (1000,)).fill_(1.0)  # 4,000 bytes written on the host
+    pool.tensor("x", (1000,))  # write intent on the device: takes the host's bytes first
+    pool.host_tensor("x", (500,))  # back to the host: 2,000 bytes are needed there
+    stats = pool.stats()
+    assert stats["host_to_device_bytes"] == 4000
+    assert stats["device_to_host_bytes"] == 4000  # the head must hold every written byte
+    assert stats["num_buffers"] == 1 and stats["num_grows"] == 2
+    assert stats["reserved_bytes"] == stats["host_reserved_bytes"] + stats["device_reserved_bytes"]
+    assert stats["active_bytes"] == 2000
+
+
+def test_cpu_counts_the_one_memory_once() -> None:
+    pool = sm.BufferPool("cpu")
+    pool.tensor("x", (1000,))
+    pool.host_tensor("x", (1000,))
+    stats = pool.stats()
+    assert stats["reserved_bytes"] == stats["device_reserved_bytes"]
+    assert stats["reserved_bytes"] == stats["host_reserved_bytes"] == 4096
+
+
+def test_peak_counts_old_and_new_blocks_during_a_moving_growth() -> None:
+    pool = sm.BufferPool("emulated", backend="pageable")
+    pool.tensor("x", (1000,))  # 4,032 bytes (64-byte granularity)
+    pool.tensor("x", (10_000,))  # moves: both blocks held for a moment
+    stats = pool.stats()
+    assert stats["device_reserved_bytes"] == 40_000
+    assert stats["peak_reserved_bytes"] == 40_000 + 4_032
+    assert stats["grow_copy_bytes"] == 4_000
+    stable = sm.BufferPool("emulated")
+    stable.tensor("x", (1000,))
+    stable.tensor("x", (10_000,))
+    assert stable.stats()["peak_reserved_bytes"] == stable.stats()["reserved_bytes"] == 40_960
+
+
+def test_trim_and_release_give_bytes_back() -> None:
+    pool = sm.BufferPool("emulated")
+    pool.tensor("a", (MiB,)).fill_(1.0)
+    pool.tensor("a", (1000,))
+    freed = pool.trim()
+    assert freed == 4 * MiB - 4096
+    assert pool.stats()["device_reserved_bytes"] == 4096
+    assert pool.tensor("a", (1000,)).max().item() == 1.0
+    assert pool.release() == 4096 and pool.stats()["reserved_bytes"] == 0
+
+
+def test_report_is_biggest_first_with_totals_last() -> None:
+    pool = sm.BufferPool("emulated")
+    pool.tensor("small", (10,))
+    pool.tensor("big", (100_000,))
+    pool.tensor("middle", (5_000,), torch.float64)
+    pool.blob("small").mutable_grad()
+    lines = pool.report().splitlines()
+    assert lines[0] == "BufferPool on emulated: 3 buffers"
+    assert lines[1].split()[:4] == ["name", "shape", "dtype", "size"]
+    names = [line.split()[0] for line in lines[3:7]]
+    assert names[:2] == ["big", "middle"] and set(names[2:]) == {"small", "small.grad"}
+    assert lines[-2].startswith("reserved ") and lines[-1].startswith("grows ")
+    assert "100000" in lines[3] and "float32" in lines[3] and "AT_DEVICE" in lines[3]
+
+
+def test_phases_attribute_growth_and_traffic() -> None:
+    pool = sm.BufferPool("emulated")
+    for _ in range(2):
+        with pool.phase("train"):
+            pool.host_tensor("input", (256, 10)).fill_(1.0)  # staged on the host,
+            pool.blob("input").data()  # read on the device
+            pool.tensor("hidden", (256, 100))
+        with pool.phase("eval"):
+            pool.host_tensor("input", (250, 10)).fill_(1.0)
+            pool.blob("input").data()
+            pool.tensor("hidden", (250, 100))
+            pool.tensor("accuracy", (1,))
+    phases = pool.phase_stats()
+    assert phases["train"]["entries"] == phases["eval"]["entries"] == 2
+    assert phases["train"]["added_reserved_bytes"] == pool.stats()["reserved_bytes"] - 4096
+    assert phases["eval"]["added_reserved_bytes"] == 4096  # only the accuracy buffer
+    assert phases["train"]["host_to_device_bytes"] == 2 * 256 * 10 * 4
+    assert phases["eval"]["host_to_device_bytes"] == 2 * 250 * 10 * 4
+    assert phases["train"]["device_to_host_bytes"] == phases["eval"]["device_to_host_bytes"] == 0
+    assert phases["eval"]["peak_reserved_bytes"] == pool.stats()["peak_reserved_bytes"]
+    with pool.phase("train"), pool.phase("train"):  # nesting counts once
+        pass
+    assert pool.phase_stats()["train"]["entries"] == 3
+
+
+def test_count_unpooled() -> None:
+    pool = sm.BufferPool()
+    pool.count_unpooled(1000)
+    pool.count_unpooled(24)
+    assert pool.stats()["unpooled_bytes"] == 1024
+    with pytest.raises(ValueError, match=r"^sharedmem: nbytes must be >= 0"):
+        pool.count_unpooled(-1)
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "message"),
+    [
+        ("", ValueError, r"^sharedmem: buffer name must not be empty$"),
+        (3, TypeError, r"^sharedmem: buffer name must be a str, got int$"),
+        (None, TypeError, r"^sharedmem: buffer name must be a str, got NoneType$"),
+    ],
+)
+def test_bad_names(name: object, error: type[Exception], message: str) -> None:
+    pool = sm.BufferPool()
+    with pytest.raises(error, match=message):
+        pool.tensor(name, (1,))  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        pool.blob(name)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message), pool.phase(name):  # type: ignore[arg-type]
+        pass
+    assert len(pool) == 0
+
+
+def test_bad_shapes_and_dtypes_change_nothing() -> None:
+    pool = sm.BufferPool()
+    pool.tensor("x", (4,)).fill_(1.0)
+    with pytest.raises(ValueError, match=r"^sharedmem: shape dimension 0 must be >= 0"):
+        pool.tensor("x", (-4,))
+    with pytest.raises(TypeError, match=r"^sharedmem: dtype must be a torch\.dtype"):
+        pool.tensor("x", (4,), "float32")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^sharedmem: shape dimension 0 of \(1\.5,\)"):
+        pool.host_tensor("y", (1.5,))  # type: ignore[arg-type]
+    assert pool.tensor("x", (4,)).tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_eight_threads_on_one_pool(device: str, seed: int) -> None:
+    pool = sm.BufferPool(device, limit=512 * MiB)
+    shared = pool.tensor("shared", (1000,), torch.int64)
+    shared.copy_(torch.arange(1000))
+    failures: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def worker(index: int) -> None:
+        rng = np.random.default_rng(seed + index)
+        try:
+            start.wait()
+            for step in range(200):
+                n = int(rng.integers(1, 20_000))
+                mine = f"private{index}"
+                view = pool.tensor(mine, (n,), torch.int64)  # grows now and then
+                view.fill_(index * 1000 + step)
+                if rng.random() < 0.3:  # read it back through the host side
+                    host = pool.blob(mine).host_data()
+                    assert int(host.min()) == int(host.max()) == index * 1000 + step
+                seen = pool.blob("shared").host_data()  # many readers of one buffer
+                assert torch.equal(seen, torch.arange(1000))
+                with pool.phase("work"):
+                    pool.stats()
+        except BaseException as failure:  # reported below, with the seed
+            failures.append(failure)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "deadlock"
+    assert not failures, f"seed {seed}: {failures[0]!r}"
+    stats = pool.stats()
+    assert stats["num_buffers"] == 9
+    held = sum(
+        pool.blob(n).data_memory.reserved_bytes + pool.blob(n).grad_memory.reserved_bytes
+        for n in pool.names()
+    )
+    assert stats["reserved_bytes"] == held  # the ledger agrees with the buffers
+
+
+def test_threads_racing_for_the_last_bytes_never_pass_the_limit() -> None:
+    # Check-then-grow must be atomic: with a tiny switch interval, threads interleave inside it.
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(5):
+            pool = sm.BufferPool("emulated", limit=4 * MiB)
+            start = threading.Barrier(8)
+            outcomes: list[str] = []
+
+            def grab(
+                index: int,
+                pool: sm.BufferPool = pool,
+                start: threading.Barrier = start,
+                outcomes: list[str] = outcomes,
+            ) -> None:
+                start.wait()
+                try:
+                    pool.tensor(f"b{index}", (MiB // 4 + 1024,))  # a bit over 1 MiB each
+                    outcomes.append("ok")
+                except sm.OutOfMemoryError:
+                    outcomes.append("refused")
+
+            threads = [threading.Thread(target=grab, args=(i,)) for i in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert outcomes.count("ok") == 3 and outcomes.count("refused") == 5
+            assert pool.stats()["peak_reserved_bytes"] <= 4 * MiB
+    finally:
+        sys.setswitchinterval(old)
