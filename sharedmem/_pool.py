@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
 from ._adaptors import AccountedBackend, LimitedBackend
-from ._backends import Placement, resolve
+from ._backends import Backend, Placement, resolve
 from ._blob import Blob
 from ._devices import DeviceLike
 from ._ledger import Ledger
@@ -44,6 +44,8 @@ class BufferPool:
         device: ``"cpu"``, ``"emulated"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
         limit: a cap on reserved device bytes (on ``cpu``, on the one memory); ``None``: none.
         backend: the device-side allocator by name (see ``sm.backend_names``).
+        adaptors: callables that wrap a backend in another (features by composition, such as
+            fault injection); applied to both sides, first innermost.
 
     Example::
 
@@ -61,6 +63,7 @@ class BufferPool:
         *,
         limit: int | None = None,
         backend: str | None = None,
+        adaptors: Sequence[Callable[[Backend], Backend]] = (),
     ) -> None:
         self._base = resolve(device, backend)
         self._limit = None if limit is None else check_nbytes(limit, "limit")
@@ -71,14 +74,14 @@ class BufferPool:
         self._fast_host: dict[str, _Entry] = {}
         self._lock = threading.Lock()  # guards creating names, not using them
         self._phases = PhaseBook(self._ledger, self._counters)
-        self._unpooled = 0
+        self._counts: dict[str, int] = {}  # named byte counters of layers on top (count())
+        host, accel = self._base.host, self._base.accel
+        for adapt in adaptors:  # e.g. fault injection, innermost first
+            host = adapt(host)
+            accel = None if accel is None else adapt(accel)
         # The host side of a two-sided device is accounted but never limited.
-        self._host = AccountedBackend(self._base.host, self._ledger, "host")
-        self._accel = (
-            None
-            if self._base.accel is None
-            else AccountedBackend(self._base.accel, self._ledger, "device")
-        )
+        self._host = AccountedBackend(host, self._ledger, "host")
+        self._accel = None if accel is None else AccountedBackend(accel, self._ledger, "device")
 
     # ---- names -----------------------------------------------------------------------------
 
@@ -214,7 +217,15 @@ class BufferPool:
 
     def count_unpooled(self, nbytes: int) -> None:
         """Record bytes a layer on top of the pool had to allocate outside it."""
-        self._unpooled += check_nbytes(nbytes)
+        self.count("unpooled_bytes", nbytes)
+
+    def count(self, key: str, nbytes: int) -> None:
+        """Add ``nbytes`` to the counter ``key`` of ``stats()`` (for layers built on the pool,
+        such as activation offload); the report shows every counter that is not zero."""
+        check_name(key)
+        n = check_nbytes(nbytes)
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + n
 
     # ---- stats -----------------------------------------------------------------------------
 
@@ -254,8 +265,9 @@ class BufferPool:
             "active_bytes": active,
             "peak_reserved_bytes": ledger.peak,
             "high_water_bytes": sum(self._high_water.values()),
-            "unpooled_bytes": self._unpooled,
             **self._counters(),
+            "unpooled_bytes": 0,
+            **self._counts,
         }
 
     @contextmanager

@@ -9,6 +9,23 @@ from ._synced import SyncedMemory
 
 __all__ = ["biggest_buffers", "format_report", "human_bytes"]
 
+# The keys every pool has; any other counter in stats() is a layer's, shown when not zero.
+_CORE_KEYS = frozenset(
+    {
+        "num_buffers",
+        "reserved_bytes",
+        "device_reserved_bytes",
+        "host_reserved_bytes",
+        "active_bytes",
+        "peak_reserved_bytes",
+        "high_water_bytes",
+        "num_grows",
+        "grow_copy_bytes",
+        "host_to_device_bytes",
+        "device_to_host_bytes",
+    }
+)
+
 
 def human_bytes(n: int) -> str:
     """``1536`` -> ``'1.5 KiB'``; exact counts go in ``{:,}`` elsewhere."""
@@ -90,6 +107,12 @@ def format_report(
         f"grows {stats['num_grows']:,} (copied {stats['grow_copy_bytes']:,} bytes), "
         f"host->device {stats['host_to_device_bytes']:,} bytes, "
         f"device->host {stats['device_to_host_bytes']:,} bytes"
-        + (f", unpooled {stats['unpooled_bytes']:,} bytes" if stats["unpooled_bytes"] else "")
     )
+    extra = [
+        f"{key.removesuffix('_bytes').replace('_', ' ')} {value:,} bytes"
+        for key, value in stats.items()
+        if key not in _CORE_KEYS and value
+    ]
+    if extra:
+        out.append(", ".join(extra))
     return "\n".join(out)

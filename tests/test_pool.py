@@ -351,3 +351,42 @@ def test_threads_racing_for_the_last_bytes_never_pass_the_limit() -> None:
             assert pool.stats()["peak_reserved_bytes"] <= 4 * MiB
     finally:
         sys.setswitchinterval(old)
+
+
+def test_layers_count_their_bytes_and_the_report_shows_them() -> None:
+    pool = sm.BufferPool("emulated")
+    pool.tensor("x", (10,))
+    assert "offloaded" not in pool.report()
+    pool.count("offloaded_bytes", 4096)
+    pool.count("offloaded_bytes", 4096)
+    pool.count_unpooled(100)
+    stats = pool.stats()
+    assert stats["offloaded_bytes"] == 8192 and stats["unpooled_bytes"] == 100
+    last = pool.report().splitlines()[-1]
+    assert "unpooled 100 bytes" in last and "offloaded 8,192 bytes" in last
+    with pytest.raises(ValueError, match=r"^sharedmem: nbytes must be >= 0"):
+        pool.count("offloaded_bytes", -1)
+
+
+def test_adaptors_wrap_both_sides_innermost_first() -> None:
+    from sharedmem._adaptors import BackendAdaptor
+    from sharedmem._backends import Backend, Block
+
+    calls: list[str] = []
+
+    class Recording(BackendAdaptor):
+        def __init__(self, upstream: Backend, tag: str) -> None:
+            super().__init__(upstream)
+            self.tag = tag
+
+        def _allocate(self, nbytes: int) -> Block:
+            calls.append(self.tag)
+            return super()._allocate(nbytes)
+
+    pool = sm.BufferPool(
+        "emulated", adaptors=[lambda b: Recording(b, "inner"), lambda b: Recording(b, "outer")]
+    )
+    pool.host_tensor("x", (10,))
+    pool.tensor("y", (10,))
+    assert calls == ["outer", "inner", "outer", "inner"]
+    assert pool.stats()["reserved_bytes"] == 2 * 4096  # accounted around the adaptors
