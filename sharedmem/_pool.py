@@ -264,7 +264,7 @@ class BufferPool:
             "host_reserved_bytes": ledger.host,
             "active_bytes": active,
             "peak_reserved_bytes": ledger.peak,
-            "high_water_bytes": sum(self._high_water.values()),
+            "high_water_bytes": sum(list(self._high_water.values())),
             **self._counters(),
             "unpooled_bytes": 0,
             **self._counts,

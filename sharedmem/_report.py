@@ -39,7 +39,8 @@ def human_bytes(n: int) -> str:
 
 def _rows(blobs: Mapping[str, Blob]) -> list[tuple[str, Blob, SyncedMemory]]:
     rows = []
-    for name, blob in blobs.items():
+    # A snapshot: other threads may add names while a report (or an error message) is made.
+    for name, blob in list(blobs.items()):
         rows.append((name, blob, blob.data_memory))
         if blob.grad_memory.reserved_bytes:  # gradients show only where they hold memory
             rows.append((f"{name}.grad", blob, blob.grad_memory))
