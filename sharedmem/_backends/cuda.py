@@ -135,7 +135,9 @@ def _primary_context(index: int) -> Any:
 def attribute(index: int, name: str) -> int:
     """A ``CU_DEVICE_ATTRIBUTE_*`` of device ``index``."""
     driver = bindings().driver
-    which = getattr(driver.CUdevice_attribute, name)
+    which = getattr(driver.CUdevice_attribute, name, None)
+    if which is None:  # an older cuda-python that does not know the attribute
+        raise SharedMemError(f"sharedmem: this cuda-python does not know {name}; upgrade it")
     return int(check(driver.cuDeviceGetAttribute(which, _device_handle(index)), name))
 
 
