@@ -88,6 +88,14 @@ def test_an_attribute_this_cuda_python_lacks_is_a_clear_error() -> None:
         cuda.attribute(0, "CU_DEVICE_ATTRIBUTE_NO_SUCH_THING")
 
 
+@pytest.mark.parametrize("stream", ["side", 1.5, True, torch.Stream(device="cpu")])
+def test_streams_that_are_not_cuda_streams_are_refused(stream: object) -> None:
+    from sharedmem._backends.cuda_streams import _as_stream
+
+    with pytest.raises(TypeError, match=r"^sharedmem: stream must be a torch.cuda.Stream"):
+        _as_stream(stream, 0)
+
+
 def test_vmm_structures_name_the_device() -> None:
     driver = cuda_modules().bindings().driver
     from sharedmem._backends.cuda_vmm import access_desc, allocation_prop

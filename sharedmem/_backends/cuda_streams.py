@@ -58,7 +58,11 @@ def _as_stream(stream: object, index: int) -> torch.cuda.Stream:
     device = torch.device("cuda", index)
     if isinstance(stream, int) and not isinstance(stream, bool):  # a raw cudaStream_t
         stream = torch.cuda.ExternalStream(stream, device=device)  # type: ignore[no-untyped-call]
-    elif isinstance(stream, torch.Stream) and not isinstance(stream, torch.cuda.Stream):
+    elif (
+        isinstance(stream, torch.Stream)
+        and not isinstance(stream, torch.cuda.Stream)
+        and stream.device.type == "cuda"
+    ):
         # A generic stream (torch.accelerator); the CUDA flavour knows how to copy on it.
         stream = torch.cuda.Stream(  # type: ignore[no-untyped-call]
             stream_id=stream.stream_id,
