@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from conftest import requires_cuda
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -26,7 +27,9 @@ def test_every_example_has_a_test() -> None:
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
-@pytest.mark.parametrize("device", ["cpu", "emulated"])
+@pytest.mark.parametrize(
+    "device", ["cpu", "emulated", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])]
+)
 def test_host_staging_stops_growing_after_warmup(
     device: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -34,7 +37,7 @@ def test_host_staging_stops_growing_after_warmup(
     assert stats["grows_in_second_half"] == 0
     assert stats["num_grows"] < 40
     assert "staged 40 batches" in capsys.readouterr().out
-    if device == "emulated":
+    if device != "cpu":
         assert stats["host_to_device_bytes"] > 0
 
 

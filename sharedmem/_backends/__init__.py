@@ -62,13 +62,16 @@ def resolve(device: object = "cpu", backend: object = None) -> Placement:
             f"sharedmem: unknown backend {backend!r} for device {name!r}; "
             f"choose one of {', '.join(repr(c) for c in choices)}"
         )
-    return _placement(name, backend or choices[0])
+    # On CUDA the default depends on what the device supports; cuda.placement chooses it.
+    return _placement(name, backend or (None if name.startswith("cuda") else choices[0]))
 
 
 @functools.cache
-def _placement(device: str, backend: str) -> Placement:
+def _placement(device: str, backend: str | None) -> Placement:
     # One placement (and backend instances) per (device, backend): backends keep no per-block
-    # state, and sharing them lets a pool account for all its memories in one place.
+    # state, and sharing them lets a pool account for all its memories in one place. On CUDA
+    # the backend is None when not named: a named backend the device cannot serve is an
+    # error, the default falls back.
     host = ReservedBackend()
     if device == "cpu":
         return Placement(device, PageableBackend() if backend == "pageable" else host, None)

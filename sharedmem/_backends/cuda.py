@@ -1,60 +1,222 @@
-"""CUDA device memory. Imported only when a CUDA device is asked for."""
+"""CUDA devices: which backends serve a device, and the calls into cuda-python they share.
+
+Imported only when a CUDA device is asked for, and cuda-python only inside functions, so that
+importing sharedmem and using ``cpu`` or ``emulated`` never touches CUDA.
+
+The CUDA modules, one responsibility each:
+
+* here: choosing the backends of a device, loading cuda-python (12.x and 13.x), checking its
+  ``(error, value)`` results, making a device's context current;
+* ``cuda_owner``: lifetime (bytes freed when their last view is gone), out of memory;
+* ``cuda_streams``: copies between the sides on streams, fenced by events;
+* ``cuda_vmm``, ``cudart``, ``cuda_torch``: the three device backends;
+* ``cuda_pinned``: the pinned host side.
+
+**Choice.** ``vmm`` (stable addresses, growth without copying) is the default wherever the
+device reports ``CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED``; elsewhere the
+default is ``cudart``, and ``torch`` where cuda-python cannot be loaded at all. Naming a
+backend the device cannot serve raises ``SharedMemError`` instead of silently falling back.
+The host side is the pinned reserved range where the device can register host memory, and
+pinned tensors from PyTorch otherwise.
+
+**Contexts.** Driver and cuda-python runtime calls run with device N's primary context pushed
+(the one PyTorch uses), so ``cuda:N`` allocates on device N whatever the current device is.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+import functools
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._errors import OutOfMemoryError
-from ._base import Backend, Block
-from .host import ReservedBackend
+from .._errors import SharedMemError
 
 if TYPE_CHECKING:
     from . import Placement
+    from ._base import Backend
 
-__all__ = ["TorchCudaBackend", "placement"]
+__all__ = [
+    "DeviceOutOfMemory",
+    "attribute",
+    "bindings",
+    "check",
+    "default_backend",
+    "device_index",
+    "on_device",
+    "placement",
+    "vmm_supported",
+]
+
+# The error codes that mean "no memory" in the driver and the runtime API.
+_OOM_NAMES = frozenset({"CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation"})
 
 
-class TorchCudaBackend(Backend):
-    """Device memory from PyTorch's caching allocator; grows by allocate, copy, free."""
+class DeviceOutOfMemory(Exception):
+    """A CUDA call ran out of memory; ``retry_on_oom`` turns it into ``OutOfMemoryError``."""
 
-    kind = "torch"
-    stable_address = False
 
-    def __init__(self, device: str) -> None:
-        super().__init__(device=device, granularity=512)
+# ---- cuda-python --------------------------------------------------------------------------
 
-    def _new(self, nbytes: int) -> torch.Tensor:
+
+@functools.cache
+def bindings() -> SimpleNamespace:
+    """cuda-python's ``driver`` and ``runtime`` modules (12.x and 13.x import paths)."""
+    try:
+        from cuda.bindings import driver, runtime
+    except ImportError as new_path:
+        try:  # cuda-python before 12.6 named them cuda.cuda and cuda.cudart
+            from cuda import cuda as driver
+            from cuda import cudart as runtime
+        except ImportError:
+            raise SharedMemError(
+                f"sharedmem: cuda-python cannot be imported ({new_path}); the 'vmm' and "
+                "'cudart' backends and pinned host growth need it. Install the cuda-python "
+                "that matches your driver (pip install 'cuda-python>=12'), or use "
+                "backend='torch'."
+            ) from None
+    return SimpleNamespace(driver=driver, runtime=runtime)
+
+
+def _error_name(error: Any) -> str:
+    return str(getattr(error, "name", error))
+
+
+def check(result: tuple[Any, ...], what: str) -> Any:
+    """The value of a cuda-python call's ``(error, value...)`` tuple; raises on an error.
+
+    Raises ``DeviceOutOfMemory`` for the out-of-memory codes and ``SharedMemError`` otherwise.
+    """
+    error = result[0]
+    if int(error) != 0:
+        name = _error_name(error)
+        if name in _OOM_NAMES:
+            raise DeviceOutOfMemory(f"{what}: {name}")
+        raise SharedMemError(
+            f"sharedmem: {what} failed with {name} ({int(error)}). If the device is healthy "
+            "this is a bug in sharedmem; please report it with this message."
+        )
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def device_index(device: str) -> int:
+    """The N of ``"cuda:N"``."""
+    kind, _, index = device.partition(":")
+    assert kind == "cuda" and index.isdigit(), device
+    return int(index)
+
+
+@functools.cache
+def _device_handle(index: int) -> Any:
+    driver = bindings().driver
+    try:
+        check(driver.cuInit(0), "cuInit")
+        return check(driver.cuDeviceGet(index), f"cuDeviceGet({index})")
+    except RuntimeError as error:  # the driver library itself cannot be loaded
+        raise SharedMemError(
+            f"sharedmem: cuda-python cannot reach the CUDA driver ({error}); use "
+            "backend='torch', or install a cuda-python that matches the driver."
+        ) from None
+
+
+@functools.cache
+def _primary_context(index: int) -> Any:
+    # Retained once and never released: it is the context PyTorch uses too, alive as long
+    # as the process.
+    driver = bindings().driver
+    return check(driver.cuDevicePrimaryCtxRetain(_device_handle(index)), "cuDevicePrimaryCtxRetain")
+
+
+def attribute(index: int, name: str) -> int:
+    """A ``CU_DEVICE_ATTRIBUTE_*`` of device ``index``."""
+    driver = bindings().driver
+    which = getattr(driver.CUdevice_attribute, name, None)
+    if which is None:  # an older cuda-python that does not know the attribute
+        raise SharedMemError(f"sharedmem: this cuda-python does not know {name}; upgrade it")
+    return int(check(driver.cuDeviceGetAttribute(which, _device_handle(index)), name))
+
+
+def vmm_supported(index: int) -> bool:
+    """Whether device ``index`` supports CUDA virtual memory management (cuMemCreate/Map)."""
+    return attribute(index, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED") != 0
+
+
+@contextlib.contextmanager
+def on_device(index: int) -> Iterator[None]:
+    """Run the block with device ``index`` current, for PyTorch and for the driver.
+
+    ``torch.cuda.device`` alone does not make a context current when the device equals the
+    current one and nothing has used it yet; pushing the primary context does, and the
+    runtime API (cuda-python's included) picks up the context current to the thread.
+    """
+    driver = bindings().driver
+    context = _primary_context(index)
+    with torch.cuda.device(index):
+        check(driver.cuCtxPushCurrent(context), "cuCtxPushCurrent")
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        except torch.cuda.OutOfMemoryError:
-            # Cached but unused blocks may be what stands in the way: give them back once.
-            torch.cuda.empty_cache()
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        except torch.cuda.OutOfMemoryError:
-            reserved = torch.cuda.memory_reserved(self.device)
-            raise OutOfMemoryError(nbytes, reserved, None, self.device) from None
-
-    def _allocate(self, nbytes: int) -> Block:
-        return Block(self._new(nbytes), nbytes)
-
-    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
-        new = self._allocate(nbytes)
-        new.tensor[:keep].copy_(block.tensor[:keep])
-        return new, keep
-
-    def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
-        return self._grow(block, nbytes, keep)
-
-    def _free(self, block: Block) -> None:
-        pass  # the tensor returns to the caching allocator with its last reference
+            yield
+        finally:
+            driver.cuCtxPopCurrent()
 
 
-def placement(device: str, backend: str) -> Placement:
+# ---- choosing the backends of a device ----------------------------------------------------------
+
+
+@functools.cache
+def default_backend(index: int) -> str:
+    """The backend ``device="cuda:N"`` gets when none is named."""
+    try:
+        return "vmm" if vmm_supported(index) else "cudart"
+    except SharedMemError:  # cuda-python cannot be loaded or cannot reach the driver
+        return "torch"
+
+
+@functools.cache
+def _device_backend(index: int, kind: str) -> Backend:
+    device = f"cuda:{index}"
+    if kind == "torch":
+        from .cuda_torch import TorchCudaBackend
+
+        return TorchCudaBackend(device)
+    if kind == "cudart":
+        from .cudart import CudartBackend
+
+        return CudartBackend(device)
+    if not vmm_supported(index):
+        raise SharedMemError(
+            f"sharedmem: {device} does not support CUDA virtual memory management "
+            "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0), which "
+            "backend='vmm' needs; use backend='cudart' or backend='torch'."
+        )
+    from .cuda_vmm import VmmBackend
+
+    return VmmBackend(device)
+
+
+@functools.cache
+def _host_backend(index: int) -> Backend:
+    from .cuda_pinned import PinnedPageableBackend, PinnedReservedBackend
+
+    try:
+        registrable = attribute(index, "CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED") != 0
+    except SharedMemError:
+        registrable = False
+    return PinnedReservedBackend(index) if registrable else PinnedPageableBackend(index)
+
+
+def placement(device: str, backend: str | None) -> Placement:
+    """The placement of a CUDA device: pinned host memory and the named device backend.
+
+    Backends are shared per device, so every memory on ``cuda:N`` with the same backend name
+    (given or default) has the same placement.
+    """
     from . import Placement
 
-    if backend != "torch":
-        raise NotImplementedError(backend)
-    return Placement(device, ReservedBackend(), TorchCudaBackend(device))
+    index = device_index(device)
+    kind = backend or default_backend(index)
+    return Placement(device, _host_backend(index), _device_backend(index, kind))

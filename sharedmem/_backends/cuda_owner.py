@@ -1,0 +1,174 @@
+"""CUDA memory we allocate ourselves: who keeps it alive, when it is freed, running out of it.
+
+Bytes from ``cudaMalloc`` or ``cuMemCreate`` belong to an ``Owner``. A block's tensor wraps the
+owner through ``__cuda_array_interface__``, and PyTorch keeps a reference to it in the
+storage's deleter, so every view of the block keeps the bytes valid. Freeing a block therefore
+only drops our reference: the bytes go back to the device when the last view is gone, which is
+at once when no view outlives the block, and never under a live tensor.
+
+A failed allocation empties PyTorch's cache once and tries again before it raises
+``OutOfMemoryError``; blocks are immutable, so nothing held is lost.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from .._errors import OutOfMemoryError, SharedMemError
+from .cuda import DeviceOutOfMemory, device_index
+
+__all__ = ["Meter", "Owner", "out_of_memory", "reclaim", "retry_on_oom", "run_pending"]
+
+T = TypeVar("T")
+
+
+class Meter:
+    """Bytes a backend holds on its device now (``held``) and at most (``peak``).
+
+    ``torch.cuda.max_memory_allocated`` does not see memory PyTorch did not allocate, so the
+    backends that allocate for themselves count here; tests and benchmarks read it.
+    """
+
+    def __init__(self) -> None:
+        # Reentrant: a finalizer may give bytes back while this thread is adding some.
+        self._lock = threading.RLock()
+        self.held = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+
+    def sub(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.held
+
+
+_pending: list[Callable[[], None]] = []
+
+
+def _capturing() -> bool:
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return False
+    return torch.cuda.is_current_stream_capturing()
+
+
+def reclaim(release: Callable[[], None]) -> None:
+    """Give memory back now, or once no CUDA graph is being captured on this thread.
+
+    Freeing synchronizes the device, which is illegal during capture; a finalizer may run at
+    any moment, so it is queued and the next allocation runs it.
+    """
+    if sys.is_finalizing():
+        return  # the process is ending and the driver takes every byte back with it
+    if _capturing():
+        _pending.append(release)
+        return
+    try:
+        release()
+    except Exception as error:  # from a finalizer: nobody can catch it, so say it
+        warnings.warn(f"sharedmem: could not free CUDA memory: {error}", RuntimeWarning, 2)
+
+
+def run_pending() -> None:
+    """Run the frees that were queued during a graph capture."""
+    while _pending and not _capturing():
+        reclaim(_pending.pop())
+
+
+class Owner:
+    """Device bytes we allocated, freed when the last tensor viewing them is gone.
+
+    ``tensor()`` wraps them without copying; PyTorch keeps a reference to this object for as
+    long as the storage lives (every view shares it), so freeing never runs under a view.
+    Subclasses implement ``_close``.
+    """
+
+    def __init__(self, index: int, address: int, nbytes: int) -> None:
+        self.index = index
+        self.address = address
+        self.nbytes = nbytes
+        self.closed = False
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, object]:
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.address, False),
+            "strides": None,
+            "version": 3,
+            "stream": None,  # nothing in flight when a block is wrapped
+        }
+
+    def tensor(self) -> torch.Tensor:
+        """A 1-D uint8 tensor over all ``nbytes`` that keeps this owner alive."""
+        device = torch.device("cuda", self.index)
+        # With an explicit index PyTorch takes the device as given (older versions ask
+        # cudaPointerGetAttributes); either way no byte is copied, which we check.
+        tensor = torch.as_tensor(self, device=device)
+        if tensor.data_ptr() != self.address or tensor.device != device:
+            raise SharedMemError(
+                f"sharedmem: wrapping {self.nbytes:,} bytes at {self.address:#x} on {device} "
+                f"gave a tensor at {tensor.data_ptr():#x} on {tensor.device}; this PyTorch "
+                "does not wrap device memory in place. Use backend='torch'."
+            )
+        return tensor
+
+    def close(self) -> None:
+        if not self.closed:
+            self._close()
+            self.closed = True
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            reclaim(self.close)
+
+
+def out_of_memory(requested: int, device: str, why: str = "") -> OutOfMemoryError:
+    """The error for a refused allocation of ``requested`` bytes on ``device``."""
+    index = device_index(device)
+    try:
+        free, total = torch.cuda.mem_get_info(index)
+    except RuntimeError:  # a broken context cannot even say how full it is
+        free = total = 0
+    cached = torch.cuda.memory_reserved(index)
+    detail = (
+        f"{device} has {free:,} of {total:,} bytes free (reserved counts every process); "
+        f"PyTorch's caching allocator holds {cached:,} bytes"
+    )
+    return OutOfMemoryError(requested, total - free, None, device, f"{detail}. {why}".strip())
+
+
+def retry_on_oom(attempt: Callable[[], T], requested: int, device: str) -> T:
+    """``attempt()``; when it runs out of memory, empty PyTorch's cache once and try again.
+
+    Raises ``OutOfMemoryError`` when the second attempt fails too. ``attempt`` must leave
+    nothing allocated when it fails.
+    """
+    run_pending()
+    try:
+        return attempt()
+    except (DeviceOutOfMemory, torch.cuda.OutOfMemoryError):
+        pass
+    # Blocks PyTorch caches but does not use may be what stands in the way: give them back.
+    torch.cuda.empty_cache()
+    try:
+        return attempt()
+    except (DeviceOutOfMemory, torch.cuda.OutOfMemoryError) as error:
+        why = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise out_of_memory(requested, device, f"({why})") from None

@@ -1,0 +1,50 @@
+"""Device memory from PyTorch's CUDA caching allocator.
+
+The backend for code that wants every byte where PyTorch can see it: blocks are ordinary
+tensors, so they show up in ``torch.cuda.memory_stats`` / ``memory_allocated``, take part in
+the allocator's caching, and need nothing but PyTorch. A growth allocates the new capacity,
+copies the bytes to keep and returns the old tensor to the cache, so the address moves and the
+peak is old + new; views taken before a growth keep the old storage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._base import Block
+from .cuda_owner import retry_on_oom
+from .cuda_streams import CudaBackend
+
+__all__ = ["TorchCudaBackend"]
+
+
+class TorchCudaBackend(CudaBackend):
+    """Device memory from PyTorch's caching allocator; grows by allocate, copy, free."""
+
+    kind = "torch"
+    stable_address = False
+
+    def __init__(self, device: str) -> None:
+        super().__init__(device, granularity=512)  # the caching allocator's own rounding
+
+    def _allocate(self, nbytes: int) -> Block:
+        tensor = retry_on_oom(
+            lambda: torch.empty(nbytes, dtype=torch.uint8, device=self.device), nbytes, self.device
+        )
+        return Block(tensor, nbytes)
+
+    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        new = self._allocate(nbytes)
+        new.tensor[:keep].copy_(block.tensor[:keep])
+        return new, keep
+
+    def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        return self._grow(block, nbytes, keep)
+
+    def _free(self, block: Block) -> None:
+        pass  # the tensor returns to the caching allocator with its last reference
+
+    def _used_on(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        # The caching allocator reuses a freed block on its allocation stream at once; tell it
+        # that a side stream uses this one, so a copy still running there is not overwritten.
+        tensor.record_stream(stream)

@@ -1,0 +1,224 @@
+"""Device memory through CUDA virtual memory management: grows in place, copies nothing.
+
+Each block reserves a large virtual address range once (``cuMemAddressReserve``; by default
+as many bytes as the device has) and backs only its capacity with physical memory, in chunks
+of the device's recommended granularity (``cuMemCreate`` + ``cuMemMap``, then one
+``cuMemSetAccess`` over the new part). Growing maps more chunks behind the same address: no
+byte is copied, every view taken before stays valid, and the physical peak of a growth is the
+new capacity, not old + new. A growth beyond the reservation moves the block to a larger
+reservation and copies, like a moving backend; with the default reservation that means asking
+for more than the device has, which fails anyway.
+
+Shrinking synchronizes the device (unmapping does not wait for work in flight, unlike
+``cudaFree``) and unmaps and releases the chunks beyond the new capacity. The block's tensor
+spans the whole reservation, so it stays valid across growths, but the state machine only
+ever slices it below the capacity, so PyTorch never touches an unmapped page. A view taken
+before ``shrink_to_fit`` that reaches beyond the new capacity must not be used: on the GPU
+that is an illegal address, not zeros as on the host. Releasing is deferred to the last view
+(see ``cuda.Owner``), so a view that outlives ``release`` stays valid.
+
+Trade-offs: capacities are multiples of the granularity (2 MiB on current GPUs), so a
+100-byte buffer holds 2 MiB; many tiny buffers are better served by ``backend="torch"``.
+Each chunk costs a few driver calls when it is mapped or unmapped; a ``VmmBackend`` built with
+a larger ``chunk`` makes big growths cheaper and shrinking coarser.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._base import Block, round_up
+from .cuda import DeviceOutOfMemory, bindings, check, device_index, on_device
+from .cuda_owner import Meter, Owner, retry_on_oom
+from .cuda_streams import CudaBackend
+
+__all__ = ["VmmBackend", "access_desc", "allocation_prop", "reservation_sizes"]
+
+
+def allocation_prop(index: int) -> Any:
+    """``CUmemAllocationProp`` for plain device memory on device ``index``."""
+    driver = bindings().driver
+    prop = driver.CUmemAllocationProp()
+    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = index
+    prop.requestedHandleTypes = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+    return prop
+
+
+def access_desc(index: int) -> Any:
+    """``CUmemAccessDesc`` granting device ``index`` read and write access."""
+    driver = bindings().driver
+    desc = driver.CUmemAccessDesc()
+    desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = index
+    desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
+def reservation_sizes(wanted: int, needed: int, granularity: int) -> list[int]:
+    """The address range sizes to try, largest first: ``wanted``, halving down to ``needed``.
+
+    A crowded address space may refuse the full reservation and still hold a smaller one.
+    """
+    sizes = [max(wanted, needed)]
+    while sizes[-1] > needed:
+        sizes.append(max(round_up(sizes[-1] // 2, granularity), needed))
+    return sizes
+
+
+class _Reservation(Owner):
+    """A reserved address range whose first ``len(handles)`` chunks are mapped.
+
+    Released (unmapped, then the range freed) when the last tensor viewing it is gone.
+    """
+
+    def __init__(self, index: int, address: int, nbytes: int, backend: VmmBackend) -> None:
+        super().__init__(index, address, nbytes)
+        self.chunk = backend.granularity
+        self.prop = backend.prop
+        self.access = backend.access
+        self.meter: Meter = backend.meter
+        self.handles: list[Any] = []  # chunk i is mapped at address + i * chunk
+
+    @property
+    def mapped(self) -> int:
+        return len(self.handles) * self.chunk
+
+    def map(self, nbytes: int) -> None:
+        """Back the range up to ``nbytes`` with new chunks; on failure nothing changes."""
+        driver = bindings().driver
+        first, last = len(self.handles), -(-nbytes // self.chunk)
+        if last <= first:
+            return
+        created: list[Any] = []
+        mapped = 0
+        with on_device(self.index):
+            free, _total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
+            if (last - first) * self.chunk > free:
+                # cuMemCreate never oversubscribes: fail before creating a single chunk.
+                raise DeviceOutOfMemory(f"{(last - first) * self.chunk:,} bytes > {free:,} free")
+            try:
+                for i in range(first, last):
+                    created.append(
+                        check(driver.cuMemCreate(self.chunk, self.prop, 0), "cuMemCreate")
+                    )
+                    at = self.address + i * self.chunk
+                    check(driver.cuMemMap(at, self.chunk, 0, created[-1], 0), "cuMemMap")
+                    mapped += 1
+                start, size = self.address + first * self.chunk, (last - first) * self.chunk
+                check(driver.cuMemSetAccess(start, size, [self.access], 1), "cuMemSetAccess")
+            except BaseException:
+                for i in range(first, first + mapped):
+                    driver.cuMemUnmap(self.address + i * self.chunk, self.chunk)
+                for handle in created:
+                    driver.cuMemRelease(handle)
+                raise
+        self.handles.extend(created)
+        self.meter.add(len(created) * self.chunk)
+
+    def unmap(self, nbytes: int) -> None:
+        """Unmap and release every chunk at or beyond ``nbytes`` (rounded up to a chunk)."""
+        driver = bindings().driver
+        keep = -(-nbytes // self.chunk)
+        if keep >= len(self.handles):
+            return
+        with on_device(self.index):
+            # Unlike cudaFree, unmapping does not wait for kernels still using the pages.
+            check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+            while len(self.handles) > keep:
+                at = self.address + (len(self.handles) - 1) * self.chunk
+                check(driver.cuMemUnmap(at, self.chunk), "cuMemUnmap")
+                check(driver.cuMemRelease(self.handles.pop()), "cuMemRelease")
+                self.meter.sub(self.chunk)
+
+    def _close(self) -> None:
+        self.unmap(0)
+        with on_device(self.index):
+            check(bindings().driver.cuMemAddressFree(self.address, self.nbytes), "cuMemAddressFree")
+
+
+class VmmBackend(CudaBackend):
+    """Device memory in a reserved address range, mapped chunk by chunk as it grows.
+
+    Args:
+        device: ``"cuda:N"``.
+        reservation: bytes of address space each block reserves (default: the device's
+            memory). A growth beyond it moves the block to a larger reservation and copies.
+        chunk: bytes mapped at a time, rounded up to the recommended granularity (default:
+            the granularity); capacities are multiples of it.
+
+    Attributes:
+        meter: physical bytes mapped now (``held``) and at most (``peak``). PyTorch's memory
+            statistics do not see this memory.
+    """
+
+    kind = "vmm"
+    stable_address = True
+
+    def __init__(
+        self, device: str, *, reservation: int | None = None, chunk: int | None = None
+    ) -> None:
+        driver = bindings().driver
+        index = device_index(device)
+        self.prop = allocation_prop(index)
+        self.access = access_desc(index)
+        recommended = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        with on_device(index):
+            granule = int(
+                check(
+                    driver.cuMemGetAllocationGranularity(self.prop, recommended),
+                    "cuMemGetAllocationGranularity",
+                )
+            )
+        super().__init__(device, granularity=round_up(max(chunk or granule, granule), granule))
+        self.alignment = granule
+        total = torch.cuda.get_device_properties(index).total_memory
+        self.reservation = self.round(reservation or total)
+        self.meter = Meter()
+
+    def _reserve(self, nbytes: int) -> _Reservation:
+        driver = bindings().driver
+        error: Any = None
+        with on_device(self.index):
+            for size in reservation_sizes(self.reservation, nbytes, self.granularity):
+                error, address = driver.cuMemAddressReserve(size, self.alignment, 0, 0)
+                if int(error) == 0:
+                    return _Reservation(self.index, int(address), size, self)
+        name = getattr(error, "name", error)
+        raise DeviceOutOfMemory(f"cuMemAddressReserve({nbytes:,}) failed with {name}")
+
+    def _allocate(self, nbytes: int) -> Block:
+        def attempt() -> _Reservation:
+            reservation = self._reserve(nbytes)
+            try:
+                reservation.map(nbytes)
+            except BaseException:
+                reservation.close()
+                raise
+            return reservation
+
+        reservation = retry_on_oom(attempt, nbytes, self.device)
+        return Block(reservation.tensor(), nbytes, reservation)
+
+    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        reservation = block.handle
+        assert isinstance(reservation, _Reservation), block
+        if nbytes <= reservation.nbytes:
+            retry_on_oom(lambda: reservation.map(nbytes), nbytes, self.device)
+            return Block(block.tensor, nbytes, reservation), 0
+        new = self._allocate(nbytes)  # beyond the reservation: move, and copy what we keep
+        new.tensor[:keep].copy_(block.tensor[:keep])
+        self._free(block)
+        return new, keep
+
+    def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        reservation = block.handle
+        assert isinstance(reservation, _Reservation), block
+        reservation.unmap(nbytes)
+        return Block(block.tensor, nbytes, reservation), 0
+
+    def _free(self, block: Block) -> None:
+        pass  # the reservation is unmapped and freed when its last view is gone (module doc)

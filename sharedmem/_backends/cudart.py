@@ -1,0 +1,79 @@
+"""Device memory from the CUDA runtime (cuda-python's ``cudaMalloc`` / ``cudaFree``).
+
+Each block is one ``cudaMalloc`` allocation, wrapped as a tensor without copying (through
+``__cuda_array_interface__``): PyTorch's caching allocator never sees it, so it is not held in
+PyTorch's cache and ``torch.cuda.empty_cache`` cannot take it. A growth allocates the new
+capacity, copies the bytes to keep and frees the old allocation, so the address moves.
+
+Freeing is deferred to the last view. The state machine frees a block when it shrinks, grows
+or releases a side, but a user may still hold a view from before; ``cudaFree`` then would
+leave that view pointing at memory the next allocation may reuse (or at nothing). So ``free``
+drops only our reference: the allocation's owner is referenced by every tensor viewing it and
+calls ``cudaFree`` when the last one is gone, which without outside views is at once. A view
+that outlives a release keeps its bytes (and their old content) alive until it dies.
+Freeing synchronizes the device first, as ``cudaFree`` always does.
+"""
+
+from __future__ import annotations
+
+from ._base import Block
+from .cuda import bindings, check, on_device
+from .cuda_owner import Meter, Owner, retry_on_oom
+from .cuda_streams import CudaBackend
+
+__all__ = ["CudartBackend"]
+
+
+class _Allocation(Owner):
+    """One ``cudaMalloc`` allocation, freed when the last tensor viewing it is gone."""
+
+    def __init__(self, index: int, address: int, nbytes: int, meter: Meter) -> None:
+        super().__init__(index, address, nbytes)
+        self.meter = meter
+        meter.add(nbytes)
+
+    def _close(self) -> None:
+        cuda = bindings()
+        with on_device(self.index):
+            # cudaFree waits for the device anyway; saying so keeps it true whatever runtime
+            # cuda-python links (its own static one, or the one PyTorch uses).
+            check(cuda.driver.cuCtxSynchronize(), "cuCtxSynchronize")
+            check(cuda.runtime.cudaFree(self.address), "cudaFree")
+        self.meter.sub(self.nbytes)
+
+
+class CudartBackend(CudaBackend):
+    """Device memory from ``cudaMalloc``, wrapped without copying; moves when it grows.
+
+    Attributes:
+        meter: bytes allocated and not yet freed (``held``) and the most ever (``peak``).
+    """
+
+    kind = "cudart"
+    stable_address = False
+
+    def __init__(self, device: str) -> None:
+        bindings()  # fail here, with the reason, when cuda-python cannot be loaded
+        super().__init__(device, granularity=512)
+        self.meter = Meter()
+
+    def _allocate(self, nbytes: int) -> Block:
+        def attempt() -> _Allocation:
+            with on_device(self.index):
+                address = check(bindings().runtime.cudaMalloc(nbytes), "cudaMalloc")
+            return _Allocation(self.index, int(address), nbytes, self.meter)
+
+        owner = retry_on_oom(attempt, nbytes, self.device)
+        return Block(owner.tensor(), nbytes, owner)
+
+    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        new = self._allocate(nbytes)
+        new.tensor[:keep].copy_(block.tensor[:keep])
+        self._free(block)
+        return new, keep
+
+    def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        return self._grow(block, nbytes, keep)
+
+    def _free(self, block: Block) -> None:
+        pass  # cudaFree runs when the last view of the allocation is gone (see the module doc)
