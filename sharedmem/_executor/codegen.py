@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.fx import GraphModule, Node
 
 from .graph import Buffer, Step
@@ -154,7 +155,7 @@ def _expression(em: _Emitter, step: Step, slots: Sequence[str | None], device: t
     kwargs: dict[str, object] = dict(node.kwargs)
     if node.target is operator.getitem:
         return f"{em.arg(args[0])}[{em.arg(args[1])}]"
-    if node.target in _IDENTITY:
+    if node.target in _IDENTITY and not any(_mutates(u) for u in node.users):
         return em.arg(args[0])
     views = [
         _zero_size(em, node, k, device) if b is None else em.view(slots[life], b, device)
@@ -178,6 +179,15 @@ def _expression(em: _Emitter, step: Step, slots: Sequence[str | None], device: t
         case Kind.COPY:
             return f"{views[0]}.copy_({em.arg(args[0])})"
     raise AssertionError(f"unhandled kind {rule.kind}")
+
+
+def _mutates(node: Node) -> bool:
+    # An in-place op on a detached tensor (t_() changes its metadata) must not reach the
+    # tensor it was detached from, so such a detach runs for real.
+    target = node.target
+    return isinstance(target, OpOverload) and any(
+        a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments
+    )
 
 
 def _output_list(node: Node) -> list[object]:
