@@ -391,3 +391,49 @@ def test_a_model_on_another_device_than_the_pool_is_refused() -> None:
     step = sm.pooled_train_step(mlp().to("meta"), nn.MSELoss(), pool=sm.BufferPool("cpu"))
     with pytest.raises(ValueError, match="sharedmem: the pool is on 'cpu' but a tensor"):
         step(torch.randn(2, 20, device="meta"), torch.randn(2, 3, device="meta"))
+
+
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "mse": nn.MSELoss(),
+    "mse_sum": nn.MSELoss(reduction="sum"),
+    "l1": nn.L1Loss(),
+    "smooth_l1": nn.SmoothL1Loss(),
+    "huber": nn.HuberLoss(),
+    "soft_margin": lambda out, y: nn.functional.soft_margin_loss(out, y.sign()),
+    "bce": lambda out, y: nn.functional.binary_cross_entropy(out.sigmoid(), y.sigmoid()),
+    "bce_logits": lambda out, y: nn.functional.binary_cross_entropy_with_logits(out, y.sigmoid()),
+    "kl_div": lambda out, y: nn.functional.kl_div(
+        out.log_softmax(1), y.softmax(1), reduction="batchmean"
+    ),
+    "cross_entropy": lambda out, y: nn.functional.cross_entropy(out, y.argmax(1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_out_kernels_write_only_inside_their_buffers(name: str) -> None:
+    # Some out= kernels use ``out`` as scratch (mse_loss resizes a 0-dim out to the input's
+    # shape); such writes would land past the buffer, in bytes no plan gave them. Fill every
+    # slot's unplanned tail with a canary and check that a step leaves it as it was.
+    eager, pooled = twins(mlp)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return LOSSES[name](out, y) * 2  # so the loss itself is an intermediate in the pool
+
+    pool = sm.BufferPool("cpu")
+    # One buffer per intermediate, each exactly as big as its value: no slack to hide in.
+    step = sm.pooled_train_step(pooled, loss_fn, pool=pool, plan="per_node")
+    x, y = torch.randn(8, 20, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    step(x, y)  # traces and plans: each slot now holds what the plan needs
+    planned = {n: pool.blob(n).nbytes for n in pool.names()}
+    tails = {}
+    for n, used in planned.items():
+        capacity = pool.blob(n).data_memory.device_capacity
+        raw = pool.tensor(n, (capacity,), torch.uint8)
+        raw[used:].fill_(0xAB)
+        tails[n] = raw[used:].clone()
+    pooled.zero_grad()
+    loss, expected = train_both(eager, step, loss_fn, x, y, seed=0)
+    torch.testing.assert_close(loss, expected, rtol=RTOL, atol=0)
+    for n, used in planned.items():
+        capacity = pool.blob(n).data_memory.device_capacity
+        assert torch.equal(pool.tensor(n, (capacity,), torch.uint8)[used:], tails[n]), n

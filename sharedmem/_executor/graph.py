@@ -3,7 +3,8 @@
 Aliasing is read from the traced fake tensors themselves: every result shares a storage with
 exactly the values it aliases (views, in-place results, ``detach``), so the lifetime of a
 pooled intermediate ends at the last read of any tensor on its storage. This needs no list of
-view ops and cannot miss one.
+view ops; where a view's fake result shows a fresh storage anyway, it is taken to alias all
+of its inputs.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ class Buffer:
     stride: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
-    contiguous: bool
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,11 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
                         plain.append((key, _extent(r), op_name(node.target)))
                 steps.append(Step(node, i, rule))
             elif rule.kind is Kind.ALIAS:
+                if not set(keys) <= seen:
+                    # A view whose fake result did not share its input's storage: assume it
+                    # aliases every input, which can only make lifetimes longer.
+                    for used in node.all_input_nodes:
+                        storages[node] |= storages[used]
                 steps.append(Step(node, i, rule))
             else:
                 buffers = tuple(_buffer(r) for r in _results(node))  # type: ignore[arg-type]
@@ -283,5 +288,4 @@ def _buffer(result: torch.Tensor) -> Buffer | None:
         stride=tuple(result.stride()),
         dtype=result.dtype,
         nbytes=nbytes,
-        contiguous=result.is_contiguous(),
     )

@@ -8,22 +8,21 @@ signature traces, plans and generates code; later calls only look the signature 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .._pool import BufferPool
 from .._validate import check_name
 from .codegen import Runner, generate
 from .graph import analyse
 from .plan import PLANS, PlanSummary, assign_slots, merge
 from .trace import Binding, Leaves, State, flatten, trace_forward, trace_train
-
-if TYPE_CHECKING:
-    from .._pool import BufferPool
 
 __all__ = ["PooledForward", "PooledTrainStep", "pooled_forward", "pooled_train_step"]
 
@@ -42,8 +41,6 @@ class _Executor:
     """What both entry points share: checks, the signature cache, planning and the pool."""
 
     def __init__(self, model: object, pool: BufferPool, plan: object, prefix: object) -> None:
-        from .._pool import BufferPool  # the pool module imports torch-heavy backends lazily
-
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}"
@@ -245,7 +242,7 @@ class PooledForward(_Executor):
             gm, spec = trace_forward(self.model, state, x)
             label = _describe("train-mode forward" if self.model.training else "forward", x)
             compiled = self._build(gm, self.outputs_in_pool, label)
-            compiled = _Compiled(**{**vars(compiled), "out_spec": spec})
+            compiled = dataclasses.replace(compiled, out_spec=spec)
             self._cache[key] = compiled
         outputs = self._run(compiled, [*state.params, *state.buffers, *x.tensors])
         assert compiled.out_spec is not None

@@ -112,19 +112,23 @@ class Binding:
 
     def state(self) -> State:
         """The tensors as they are now, and a key of everything a trace fixes about them."""
-        params = [m._parameters[a] for m, a in self._params]
-        buffers = [m._buffers[a] for m, a in self._buffers]
-        if any(t is None for t in params) or any(t is None for t in buffers):
-            raise ValueError(
-                "sharedmem: a parameter or buffer of the model was set to None after the "
-                "first call; make a new step for the changed model"
-            )
+        params = [_present(m._parameters.get(a), a) for m, a in self._params]
+        buffers = [_present(m._buffers.get(a), a) for m, a in self._buffers]
         key = (
             tuple(m.training for m in self.modules),
-            tuple((p.shape, p.dtype, p.device, p.requires_grad) for p in params),  # type: ignore[union-attr]
-            tuple((b.shape, b.dtype, b.device) for b in buffers),  # type: ignore[union-attr]
+            tuple((p.shape, p.dtype, p.device, p.requires_grad) for p in params),
+            tuple((b.shape, b.dtype, b.device) for b in buffers),
         )
-        return State(self.param_names, params, self.buffer_names, buffers, key)  # type: ignore[arg-type]
+        return State(self.param_names, params, self.buffer_names, buffers, key)
+
+
+def _present(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
+    if tensor is None:
+        raise ValueError(
+            f"sharedmem: the model's {name!r} was removed or set to None after the first call; "
+            "make a new step for the changed model"
+        )
+    return tensor
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
