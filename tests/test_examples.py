@@ -54,7 +54,6 @@ def test_variable_length_stops_growing_at_the_high_water_marks(device: str) -> N
     assert result["allocated_by_torch"] > 10 * result["reserved_bytes"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", "emulated"])
 def test_pooled_training_learns_and_evaluates_on_the_train_buffers(
     device: str, capsys: pytest.CaptureFixture[str]
