@@ -51,6 +51,34 @@ def bn_dropout() -> nn.Module:
     )
 
 
+class TinyLM(nn.Module):
+    """Embedding, layer and group norm, GELU, softmax, chunk/cat, transposes, tied weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.ln = nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 16)
+        self.gn = nn.GroupNorm(2, 16)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.ln(self.emb(idx))
+        a, b = self.fc(h).chunk(2, dim=-1)
+        h = h + self.drop(self.fc2(torch.cat([nn.functional.gelu(a), b.sigmoid()], dim=-1)))
+        t = h.transpose(1, 2)  # not contiguous
+        h = (self.gn(t.contiguous()) * 2 + t).transpose(1, 2)
+        h = h.softmax(-1) * h + h.mean(dim=1, keepdim=True).expand_as(h)
+        return self.head(h)
+
+
+def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, 50), y.reshape(-1))
+
+
 def twins(make: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
     """Two identical float64 models: one for eager, one for the executor."""
     torch.manual_seed(1234)
@@ -146,6 +174,27 @@ def test_batch_norm_and_dropout_equal_eager(pool: sm.BufferPool, training: bool)
         assert_same_state(eager, pooled)
     if training:
         assert int(pooled[1].num_batches_tracked) == 6
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_small_language_model_equals_eager(pool: sm.BufferPool, training: bool) -> None:
+    eager, pooled = twins(TinyLM)
+    eager.train(training)
+    pooled.train(training)
+    step = sm.pooled_train_step(pooled, lm_loss, pool=pool)
+    fwd = sm.pooled_forward(pooled, pool=pool)
+    for i, length in enumerate([7, 5, 7]):
+        for m in (eager, pooled):
+            m.zero_grad()
+        idx, y = torch.randint(0, 50, (3, length)), torch.randint(0, 50, (3, length))
+        loss, expected = train_both(eager, step, lm_loss, idx, y, seed=i)
+        torch.testing.assert_close(loss, expected, rtol=RTOL, atol=0)
+        assert_same_state(eager, pooled)
+        torch.manual_seed(i)
+        with torch.no_grad():
+            expected_out = eager(idx)
+        torch.manual_seed(i)
+        torch.testing.assert_close(fwd(idx), expected_out, rtol=RTOL, atol=1e-15)
 
 
 def test_random_ops_consume_the_generator_as_eager_does(pool: sm.BufferPool) -> None:
@@ -409,31 +458,56 @@ LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
-def test_out_kernels_write_only_inside_their_buffers(name: str) -> None:
-    # Some out= kernels use ``out`` as scratch (mse_loss resizes a 0-dim out to the input's
-    # shape); such writes would land past the buffer, in bytes no plan gave them. Fill every
-    # slot's unplanned tail with a canary and check that a step leaves it as it was.
-    eager, pooled = twins(mlp)
-
-    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return LOSSES[name](out, y) * 2  # so the loss itself is an intermediate in the pool
-
-    pool = sm.BufferPool("cpu")
+def assert_out_kernels_stay_inside(
+    make: Callable[[], nn.Module], loss_fn: Loss, x: torch.Tensor, y: torch.Tensor, backend: str
+) -> None:
+    # Some out= kernels resize ``out`` while they work (mse_loss resizes a 0-dim out to the
+    # input's shape): that must neither write past a buffer into bytes no plan gave it nor
+    # reallocate a pool buffer's storage. Fill every slot's unplanned tail with a canary and
+    # check that a step leaves it, and every buffer's storage, as they were.
+    eager, pooled = twins(make)
+    pool = sm.BufferPool("cpu", backend=backend)
     # One buffer per intermediate, each exactly as big as its value: no slack to hide in.
     step = sm.pooled_train_step(pooled, loss_fn, pool=pool, plan="per_node")
-    x, y = torch.randn(8, 20, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
-    step(x, y)  # traces and plans: each slot now holds what the plan needs
+    step(x, y)  # traces, plans and runs once
     planned = {n: pool.blob(n).nbytes for n in pool.names()}
+
+    def raw(n: str) -> torch.Tensor:
+        return pool.tensor(n, (pool.blob(n).data_memory.device_capacity,), torch.uint8)
+
+    def untouched_storage(n: str) -> bool:
+        fresh = sm.BufferPool("cpu", backend=backend).tensor("probe", raw(n).shape, torch.uint8)
+        return raw(n).untyped_storage().nbytes() == fresh.untyped_storage().nbytes()
+
     tails = {}
     for n, used in planned.items():
-        capacity = pool.blob(n).data_memory.device_capacity
-        raw = pool.tensor(n, (capacity,), torch.uint8)
-        raw[used:].fill_(0xAB)
-        tails[n] = raw[used:].clone()
+        assert untouched_storage(n), n
+        raw(n)[used:].fill_(0xAB)
+        tails[n] = raw(n)[used:].clone()
     pooled.zero_grad()
     loss, expected = train_both(eager, step, loss_fn, x, y, seed=0)
     torch.testing.assert_close(loss, expected, rtol=RTOL, atol=0)
     for n, used in planned.items():
-        capacity = pool.blob(n).data_memory.device_capacity
-        assert torch.equal(pool.tensor(n, (capacity,), torch.uint8)[used:], tails[n]), n
+        assert untouched_storage(n), n
+        assert torch.equal(raw(n)[used:], tails[n]), n
+
+
+@pytest.mark.parametrize("backend", ["reserved", "pageable"])
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_out_kernels_write_only_inside_their_buffers(name: str, backend: str) -> None:
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return LOSSES[name](out, y) * 2  # so the loss itself is an intermediate in the pool
+
+    x, y = torch.randn(8, 20, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    assert_out_kernels_stay_inside(mlp, loss_fn, x, y, backend)
+
+
+@pytest.mark.parametrize("backend", ["reserved", "pageable"])
+def test_out_kernels_of_a_cnn_write_only_inside_their_buffers(backend: str) -> None:
+    assert_out_kernels_stay_inside(bn_dropout, nn.CrossEntropyLoss(), *image_batch(4), backend)
+
+
+@pytest.mark.parametrize("backend", ["reserved", "pageable"])
+def test_out_kernels_of_a_language_model_write_only_inside_their_buffers(backend: str) -> None:
+    idx, y = torch.randint(0, 50, (3, 6)), torch.randint(0, 50, (3, 6))
+    assert_out_kernels_stay_inside(TinyLM, lm_loss, idx, y, backend)

@@ -121,9 +121,10 @@ _REWRITES: dict[OpOverload, tuple[OpOverload, Adapt]] = {
 
 
 def _unreduced(position: int) -> Adapt:
-    # These losses' out= kernels compute the elementwise loss into ``out`` itself (resizing
-    # it to the input's shape) before reducing it in place, so a reduced loss would write
-    # past its buffer. Unreduced (reduction=0) they write exactly their result.
+    # These losses' out= kernels use a reduced (0-dim) ``out`` as scratch: they resize it to
+    # the input's shape while they work, writing past the buffer (huber, soft margin, BCE) or,
+    # where a pool view's storage is exactly the buffer (the pageable backend), reallocating
+    # the pool's memory behind its back. Unreduced (reduction=0) they write just ``out``.
     def adapt(args: _Args, kwargs: _Kwargs) -> tuple[list[object], dict[str, object]] | None:
         reduction = args[position] if len(args) > position else kwargs.get("reduction", 1)
         return (list(args), dict(kwargs)) if reduction == 0 else None
