@@ -23,7 +23,7 @@ def load(name: str) -> ModuleType:
 
 
 def test_every_example_has_a_test() -> None:
-    tested = {"host_staging", "train_eval_shared", "variable_length"}
+    tested = {"host_staging", "pooled_training", "train_eval_shared", "variable_length"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -55,3 +55,17 @@ def test_variable_length_stops_growing_at_the_high_water_marks(device: str) -> N
     high_water = result["high_water_bytes"]
     assert high_water <= result["reserved_bytes"] <= 1.05 * high_water
     assert result["allocated_by_torch"] > 10 * result["reserved_bytes"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_pooled_training_learns_and_evaluates_on_the_train_buffers(
+    device: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = load("pooled_training").main(["--device", device, "--steps", "40", "--batch", "32"])
+    assert result["last_loss"] < 0.5 * result["first_loss"]
+    assert result["eval_accuracy"] > 0.5
+    assert result["eval_added_bytes"] <= 0.05 * result["train_bytes"]
+    assert result["grows_after_warmup"] == 0
+    assert result["saving"] >= 0.3
+    out = capsys.readouterr().out
+    assert "BufferPool on" in out and "liveness plan for train step" in out

@@ -1,0 +1,203 @@
+"""Turn an analysed graph and its slot plan into one straight-line Python function.
+
+Everything that does not change between calls is decided here, once per signature: the op
+(or its ``out=`` overload) each node calls, its arguments, the pool buffer name, shape and
+dtype of every pooled result. The generated function is then one line per node, as cheap as
+the same ops written by hand. Pool views are fetched inside it, on every call, right where
+each result is written: on a moving backend a view taken before a growth goes stale.
+
+A line of generated code looks like::
+
+    v17 = o17(v9, v11, [2, 2], out=_t('act.3', (64, 8, 16, 16), d0), indices=_t(...))
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._ops import OpOverload
+from torch.fx import GraphModule, Node
+
+from .graph import Buffer, Step
+from .ops import Kind, fill_value
+
+__all__ = ["Runner", "generate"]
+
+# The generated function: (pool.tensor, *graph inputs) -> the graph's flat outputs.
+Runner = Callable[..., list[Any]]
+
+# detach and friends only matter to autograd, which never runs inside the executor.
+_IDENTITY = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
+
+
+class _Emitter:
+    def __init__(self, slot_bytes: dict[str, int]) -> None:
+        self.globals: dict[str, Any] = {"torch": torch}
+        self.names: dict[Node, str] = {}
+        self._consts: dict[int, str] = {}
+        self._slot_bytes = slot_bytes
+        self.header: list[str] = []  # fetches of pool views, first thing in every call
+        self._typed: dict[tuple[str, torch.dtype], str] = {}
+
+    def const(self, value: object, hint: str) -> str:
+        # Ints, bools, None, strings and finite floats are written as literals; anything else
+        # (dtypes, devices, tensors, inf) is passed in as a global of the generated code.
+        if value is None or isinstance(value, (bool, int, str)):
+            return repr(value)
+        if isinstance(value, float) and math.isfinite(value):
+            return repr(value)
+        key = id(value)
+        if key not in self._consts:
+            name = f"{hint}{len(self._consts)}"
+            self._consts[key] = name
+            self.globals[name] = value
+        return self._consts[key]
+
+    def arg(self, value: object) -> str:
+        if isinstance(value, Node):
+            return self.names[value]
+        if isinstance(value, list):
+            return "[" + ", ".join(self.arg(v) for v in value) + "]"
+        if isinstance(value, tuple):
+            inner = ", ".join(self.arg(v) for v in value)
+            return f"({inner},)" if len(value) == 1 else f"({inner})"
+        return self.const(value, "c")
+
+    def call(self, fn: str, args: Sequence[object], kwargs: dict[str, object], extra: str) -> str:
+        parts = [self.arg(a) for a in args] + [f"{k}={self.arg(v)}" for k, v in kwargs.items()]
+        if extra:
+            parts.append(extra)
+        return f"{fn}({', '.join(parts)})"
+
+    def view(self, slot: str | None, buffer: Buffer, device: torch.device) -> str:
+        dtype = self.const(buffer.dtype, "d")
+        if slot is None:  # a result the caller keeps: fresh memory, as eager would allocate
+            dev = self.const(device, "dev")
+            return (
+                f"torch.empty_strided({buffer.size!r}, {buffer.stride!r}, dtype={dtype}, "
+                f"device={dev})"
+            )
+        return f"{self._slot(slot, buffer.dtype)}.as_strided({buffer.size!r}, {buffer.stride!r})"
+
+    def _slot(self, slot: str, dtype: torch.dtype) -> str:
+        # Each slot is fetched once per call as bytes, with the same shape on every call, so
+        # the pool's fast path serves it; each dtype living in it gets one typed view.
+        if (slot, dtype) not in self._typed:
+            raw = f"s{list(self._slot_bytes).index(slot)}"
+            if not any(s == slot for s, _ in self._typed):
+                u8 = self.const(torch.uint8, "d")
+                self.header.append(f"{raw} = _t({slot!r}, ({self._slot_bytes[slot]},), {u8})")
+            typed = f"{raw}_{len(self._typed)}"
+            self.header.append(f"{typed} = {raw}.view({self.const(dtype, 'd')})")
+            self._typed[slot, dtype] = typed
+        return self._typed[slot, dtype]
+
+
+def generate(
+    gm: GraphModule,
+    steps: Sequence[Step],
+    slots: Sequence[str | None],
+    slot_bytes: dict[str, int],
+    device: torch.device,
+    label: str,
+) -> tuple[Runner, str]:
+    """Return the runner of ``gm`` and its source.
+
+    Args:
+        gm: the traced graph.
+        steps: how each ``call_function`` node runs (from ``analyse``).
+        slots: the pool buffer name of each lifetime (from ``assign_slots``), or ``None`` for
+            results the caller keeps, which get fresh memory on every call.
+        slot_bytes: the bytes to ask of each slot (a multiple of every itemsize).
+        device: where fresh and zero-byte results are made.
+        label: names the generated code in tracebacks.
+    """
+    em = _Emitter(slot_bytes)
+    nodes = list(gm.graph.nodes)
+    by_node = {step.node: step for step in steps}
+    position = {n: i for i, n in enumerate(nodes)}
+    last_use = {n: max((position[u] for u in n.users), default=i) for i, n in enumerate(nodes)}
+    dying: dict[int, list[str]] = {}
+    params: list[str] = []
+    body: list[str] = []
+    for i, node in enumerate(nodes):
+        name = f"v{i}"
+        em.names[node] = name
+        if node.op == "placeholder":
+            params.append(name)
+            continue
+        if node.op == "get_attr":
+            em.names[node] = em.const(operator.attrgetter(str(node.target))(gm), "g")
+            continue
+        if node.op == "output":
+            body.append(f"return {em.arg(_output_list(node))}")
+            break
+        body.append(f"{name} = {_expression(em, by_node[node], slots, device)}")
+        if not any(u.op == "output" for u in node.users):
+            dying.setdefault(last_use[node], []).append(name)
+        for gone in dying.pop(i, []):
+            body.append(f"del {gone}")
+    lines = [*em.header, *body]
+    source = "\n".join([f"def run(_t, {', '.join(params)}):", *(f"    {line}" for line in lines)])
+    code = compile(source, f"<sharedmem graph {label}>", "exec")
+    exec(code, em.globals)
+    runner: Runner = em.globals["run"]
+    return runner, source
+
+
+def _expression(em: _Emitter, step: Step, slots: Sequence[str | None], device: torch.device) -> str:
+    node, rule = step.node, step.rule
+    args: list[object] = list(node.args)
+    kwargs: dict[str, object] = dict(node.kwargs)
+    if node.target is operator.getitem:
+        return f"{em.arg(args[0])}[{em.arg(args[1])}]"
+    if node.target in _IDENTITY and not any(_mutates(u) for u in node.users):
+        return em.arg(args[0])
+    views = [
+        _zero_size(em, node, k, device) if b is None else em.view(slots[life], b, device)
+        for k, (b, life) in enumerate(zip(step.buffers, step.lifetimes, strict=True))
+    ]
+    match rule.kind:
+        case Kind.ALIAS | Kind.PLAIN:
+            return em.call(em.const(node.target, "o"), args, kwargs, "")
+        case Kind.OUT:
+            if rule.adapt is not None:
+                adapted = rule.adapt(args, kwargs)
+                assert adapted is not None, "analyse() keeps only rewrites that fit"
+                args, kwargs = adapted
+            outs = ", ".join(f"{k}={v}" for k, v in zip(rule.out_names, views, strict=True))
+            return em.call(em.const(rule.out_op, "o"), args, kwargs, outs)
+        case Kind.EMPTY:
+            return views[0]
+        case Kind.FILL:
+            value = fill_value(node.target, args, kwargs)  # type: ignore[arg-type]
+            return f"{views[0]}.fill_({em.arg(value)})"
+        case Kind.COPY:
+            return f"{views[0]}.copy_({em.arg(args[0])})"
+    raise AssertionError(f"unhandled kind {rule.kind}")
+
+
+def _mutates(node: Node) -> bool:
+    # An in-place op on a detached tensor (t_() changes its metadata) must not reach the
+    # tensor it was detached from, so such a detach runs for real.
+    target = node.target
+    return isinstance(target, OpOverload) and any(
+        a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments
+    )
+
+
+def _output_list(node: Node) -> list[object]:
+    (flat,) = node.args
+    return list(flat) if isinstance(flat, (list, tuple)) else [flat]
+
+
+def _zero_size(em: _Emitter, node: Node, k: int, device: torch.device) -> str:
+    # A zero-byte result of an out= op: one empty tensor made now serves every call.
+    val = node.meta["val"]
+    ref = val[k] if isinstance(val, (tuple, list)) else val
+    empty = torch.empty_strided(ref.shape, ref.stride(), dtype=ref.dtype, device=device)
+    return em.const(empty, "z")

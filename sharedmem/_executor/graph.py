@@ -1,0 +1,291 @@
+"""What each node of a traced graph needs: which results go into the pool, and for how long.
+
+Aliasing is read from the traced fake tensors themselves: every result shares a storage with
+exactly the values it aliases (views, in-place results, ``detach``), so the lifetime of a
+pooled intermediate ends at the last read of any tensor on its storage. This needs no list of
+view ops; where a view's fake result shows a fresh storage anyway, it is taken to alias all
+of its inputs.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch._ops import OpOverload
+from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .._errors import SharedMemError
+from .ops import Kind, OpRule, rule_for
+from .plan import Lifetime
+
+__all__ = ["Analysis", "Buffer", "Step", "analyse", "op_name"]
+
+_PLAIN = OpRule(Kind.PLAIN)
+_ALIAS = OpRule(Kind.ALIAS)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A pooled result: the layout it is written in, and its bytes in the pool."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ``call_function`` node, how it runs, and its pooled results.
+
+    ``buffers`` has one entry per result for pooled kinds; an entry is ``None`` for a result
+    of zero bytes, and ``lifetimes`` indexes parallel to ``buffers`` (``-1`` for ``None``).
+    """
+
+    node: Node
+    index: int
+    rule: OpRule
+    buffers: tuple[Buffer | None, ...] = ()
+    lifetimes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """The steps of a graph, the lifetimes of its pooled results, and what is not pooled.
+
+    Attributes:
+        steps: one per ``call_function`` node.
+        lifetimes: one per pooled result.
+        returned: the lifetimes that graph outputs read (their storage outlives the call).
+        owned: per graph output, whether it is the whole of a storage made during the call
+            that no other output shares, so the caller may keep it as it is.
+        inplace: pairs ``(result, operand)`` of lifetimes where a pointwise op may write its
+            result over an operand that dies at that op (same shape, strides and dtype), as
+            its in-place form would; planning puts each pair in one buffer.
+        unpooled_bytes: bytes of intermediates allocated outside the pool per call.
+        unpooled_ops: the ops that allocate them.
+    """
+
+    steps: list[Step]
+    lifetimes: list[Lifetime]
+    returned: frozenset[int]
+    owned: tuple[bool, ...]
+    inplace: tuple[tuple[int, int], ...]
+    unpooled_bytes: int
+    unpooled_ops: tuple[str, ...]
+
+
+def op_name(target: object) -> str:
+    """A readable name of a node target: ``aten.mm.default``."""
+    return str(target) if isinstance(target, OpOverload) else getattr(target, "__name__", "?")
+
+
+def _results(node: Node) -> list[object]:
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (tuple, list)) else [val]
+
+
+def _extent(t: torch.Tensor) -> int:
+    # Bytes from the first to one past the last element of a fresh (offset 0) result.
+    if t.numel() == 0:
+        return 0
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+def analyse(gm: GraphModule, device: torch.device) -> Analysis:
+    """Decide how each node runs on ``device`` and when each pooled result dies."""
+    nodes = list(gm.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    inputs: set[StorageWeakRef] = set()  # storages of placeholders and constants
+    seen: set[StorageWeakRef] = set()
+    storages: dict[Node, set[StorageWeakRef]] = {}
+    owner: dict[StorageWeakRef, int] = {}  # storage of a pooled result -> its lifetime index
+    starts: list[tuple[int, int]] = []  # (nbytes, start) per lifetime
+    steps: list[Step] = []
+    plain: list[tuple[StorageWeakRef, int, str]] = []  # fresh results of PLAIN ops
+    for i, node in enumerate(nodes):
+        results = [r for r in _results(node) if isinstance(r, torch.Tensor)]
+        for r in results:
+            if not all(type(d) is int for d in (*r.shape, *r.stride(), r.storage_offset())):
+                raise SharedMemError(
+                    f"sharedmem: {op_name(node.target)} is not supported by the pooled "
+                    "executor: the shape of its result depends on tensor data, which a trace "
+                    "cannot fix"
+                )
+            if r.layout != torch.strided:
+                raise SharedMemError(
+                    f"sharedmem: {op_name(node.target)} returns a {r.layout} tensor; the pooled "
+                    "executor runs strided (dense) tensors only"
+                )
+        keys = [_storage(r) for r in results]
+        storages[node] = set(keys)
+        if node.op == "call_function":
+            rule = _rule(node, device, all_fresh=len(set(keys) - seen) == len(results))
+            if rule.kind is Kind.PLAIN:
+                for r, key in zip(results, keys, strict=True):
+                    if key not in seen:
+                        plain.append((key, _extent(r), op_name(node.target)))
+                steps.append(Step(node, i, rule))
+            elif rule.kind is Kind.ALIAS:
+                if not set(keys) <= seen:
+                    # A view whose fake result did not share its input's storage: assume it
+                    # aliases every input, which can only make lifetimes longer.
+                    for used in node.all_input_nodes:
+                        storages[node] |= storages[used]
+                steps.append(Step(node, i, rule))
+            else:
+                buffers = tuple(_buffer(r) for r in _results(node))  # type: ignore[arg-type]
+                ids = []
+                for buffer, key in zip(buffers, keys, strict=True):
+                    ids.append(-1 if buffer is None else len(starts))
+                    if buffer is not None:
+                        owner[key] = len(starts)
+                        starts.append((buffer.nbytes, i))
+                steps.append(Step(node, i, rule, buffers, tuple(ids)))
+        elif node.op in ("placeholder", "get_attr"):
+            inputs.update(keys)
+        elif node.op != "output":
+            raise SharedMemError(
+                f"sharedmem: the pooled executor cannot run graph node {node.format_node()}"
+            )
+        seen.update(keys)
+    ends = [start for _, start in starts]
+    for node in nodes:
+        for used in node.all_input_nodes:
+            for key in storages[used]:
+                if key in owner:
+                    ends[owner[key]] = max(ends[owner[key]], position[node])
+    lifetimes = [Lifetime(n, s, e) for (n, s), e in zip(starts, ends, strict=True)]
+    outputs = _outputs(nodes[-1])
+    out_keys = [storages[o] if isinstance(o, Node) else set() for o in outputs]
+    everything = [k for keys in out_keys for k in keys]
+    returned = frozenset(owner[k] for k in everything if k in owner)
+    owned = tuple(
+        isinstance(o, Node)
+        and len(keys) == 1
+        and everything.count(next(iter(keys))) == 1
+        and not keys & inputs
+        and _is_whole(o)
+        for o, keys in zip(outputs, out_keys, strict=True)
+    )
+    kept = set(everything)
+    unpooled = [(n, op) for key, n, op in plain if key not in kept and n]
+    ops = tuple(dict.fromkeys(op for _, op in unpooled))
+    inplace = _inplace(steps, storages, owner, ends)
+    return Analysis(steps, lifetimes, returned, owned, inplace, sum(n for n, _ in unpooled), ops)
+
+
+def _inplace(
+    steps: list[Step],
+    storages: dict[Node, set[StorageWeakRef]],
+    owner: dict[StorageWeakRef, int],
+    ends: list[int],
+) -> tuple[tuple[int, int], ...]:
+    # A pointwise kernel reads element k of its operands before it writes element k of its
+    # result, so writing over an operand with the very same layout is what ``add_`` does.
+    # Without this, a backward chain (max_pool2d_backward -> threshold_backward) needs a
+    # buffer for the dying operand and another for the result at the same moment.
+    pairs: list[tuple[int, int]] = []
+    used: set[int] = set()
+    for step in steps:
+        target = step.node.target
+        if step.rule.kind is not Kind.OUT or len(step.buffers) != 1 or step.buffers[0] is None:
+            continue
+        if not isinstance(target, OpOverload) or torch.Tag.pointwise not in target.tags:
+            continue
+        result = step.buffers[0]
+        operands = [a for a in step.node.args if isinstance(a, Node)]
+        for operand in operands:
+            keys = storages[operand]
+            life = owner.get(next(iter(keys))) if len(keys) == 1 else None
+            if life is None or life in used or ends[life] != step.index:
+                continue
+            # Every operand on that storage must be exactly the result's layout: a partial
+            # overlap (a transposed view of it) would be read after being overwritten.
+            same = [o for o in operands if storages[o] == keys]
+            if all(_layout(o) == _layout_of(result) for o in same):
+                pairs.append((step.lifetimes[0], life))
+                used.add(life)
+                break
+    return tuple(pairs)
+
+
+def _layout(node: Node) -> tuple[object, ...]:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return ()
+    return (tuple(val.shape), tuple(val.stride()), val.dtype, val.storage_offset())
+
+
+def _layout_of(buffer: Buffer) -> tuple[object, ...]:
+    return (buffer.size, buffer.stride, buffer.dtype, 0)
+
+
+def _outputs(output: Node) -> list[object]:
+    (flat,) = output.args
+    return list(flat) if isinstance(flat, (list, tuple)) else [flat]
+
+
+def _is_whole(node: Node) -> bool:
+    # The output covers its whole storage, so keeping it keeps no hidden extra bytes alive.
+    val = node.meta.get("val")
+    return (
+        isinstance(val, torch.Tensor)
+        and val.storage_offset() == 0
+        and _extent(val) == val.untyped_storage().nbytes()
+    )
+
+
+def _rule(node: Node, device: torch.device, *, all_fresh: bool) -> OpRule:
+    target = node.target
+    if target is operator.getitem:
+        return _ALIAS
+    if not isinstance(target, OpOverload):
+        raise SharedMemError(
+            f"sharedmem: the pooled executor cannot run {op_name(target)} (graph node "
+            f"{node.name!r}): only ATen operators are supported"
+        )
+    rule = rule_for(target, device.type)
+    if rule.kind in (Kind.PLAIN, Kind.ALIAS):
+        return rule
+    if rule.adapt is not None and rule.adapt(node.args, node.kwargs) is None:
+        return _PLAIN
+    results = _results(node)
+    if not all_fresh or node.kwargs.get("pin_memory"):
+        return _PLAIN
+    if not all(_poolable(r, device) for r in results):
+        return _PLAIN
+    if rule.kind is not Kind.OUT and _buffer(results[0]) is None:  # type: ignore[arg-type]
+        return _PLAIN  # a zero-byte factory or copy: nothing to pool
+    return rule
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    # Hashable and equal for tensors on one storage: views and in-place results share it.
+    return StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
+
+
+def _poolable(result: object, device: torch.device) -> bool:
+    # Fresh, dense, on the pool's device: a pool view can stand in for it exactly.
+    return (
+        isinstance(result, torch.Tensor)
+        and result.device == device
+        and result.storage_offset() == 0
+        and _extent(result) == result.untyped_storage().nbytes()
+    )
+
+
+def _buffer(result: torch.Tensor) -> Buffer | None:
+    nbytes = _extent(result)
+    if nbytes == 0:
+        return None
+    return Buffer(
+        size=tuple(result.shape),
+        stride=tuple(result.stride()),
+        dtype=result.dtype,
+        nbytes=nbytes,
+    )

@@ -1,0 +1,209 @@
+"""Which pool buffer ("slot") holds each intermediate of a graph.
+
+Slots are named pool buffers shared by every graph run on one pool, so planning starts from
+the capacities the pool already holds: an eval forward planned after a train step finds the
+train step's slots and fits its (smaller, shorter-lived) intermediates into them instead of
+adding buffers. Names alone could not do this: the n-th intermediate of an eval graph has
+nothing to do with the n-th of a joint forward+backward graph.
+
+The assignment is greedy by size: intermediates are placed largest first, each into the
+smallest slot that is free for its whole lifetime and already big enough; failing that, the
+largest free slot grows (fewer new bytes than a new slot); failing that, a new slot is made.
+With ``share=False`` ("per_node") no two intermediates of one graph share a slot, which is
+the one-buffer-per-node baseline; it still reuses other graphs' slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["PLANS", "Lifetime", "PlanSummary", "assign_slots", "merge"]
+
+PLANS = ("liveness", "per_node")
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    """One intermediate: its bytes, the node that writes it and the last node that reads it.
+
+    Both ends are inclusive node indices; ``end`` counts every read through any view or
+    in-place alias of the intermediate, and is past the last node for graph outputs.
+    """
+
+    nbytes: int
+    start: int
+    end: int
+
+
+def merge(
+    lifetimes: Sequence[Lifetime], pairs: Sequence[tuple[int, int]]
+) -> tuple[list[Lifetime], list[int]]:
+    """Join lifetimes that must share a buffer (a result written over its operand).
+
+    Returns the joined lifetimes (each spanning its members, as big as the biggest) and, for
+    each input lifetime, the index of the joined one it belongs to.
+
+    Example::
+
+        >>> from sharedmem._executor.plan import Lifetime, merge
+        >>> merge([Lifetime(8, 0, 2), Lifetime(8, 2, 5), Lifetime(4, 1, 3)], [(1, 0)])
+        ([Lifetime(nbytes=8, start=0, end=5), Lifetime(nbytes=4, start=1, end=3)], [0, 0, 1])
+    """
+    parent = list(range(len(lifetimes)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, b in pairs:
+        parent[root(a)] = root(b)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(lifetimes)):
+        groups.setdefault(root(i), []).append(i)
+    joined: list[Lifetime] = []
+    member = [0] * len(lifetimes)
+    for members in groups.values():
+        for i in members:
+            member[i] = len(joined)
+        joined.append(
+            Lifetime(
+                max(lifetimes[i].nbytes for i in members),
+                min(lifetimes[i].start for i in members),
+                max(lifetimes[i].end for i in members),
+            )
+        )
+    return joined, member
+
+
+@dataclass
+class _Slot:
+    name: str
+    capacity: int
+    busy: list[tuple[int, int]] = field(default_factory=list)
+
+    def free_for(self, life: Lifetime, share: bool) -> bool:
+        if not share:
+            return not self.busy
+        return all(life.start > end or life.end < start for start, end in self.busy)
+
+
+def assign_slots(
+    lifetimes: Sequence[Lifetime],
+    existing: Mapping[str, int],
+    *,
+    share: bool,
+    prefix: str,
+) -> tuple[list[str], dict[str, int]]:
+    """Place every intermediate in a slot.
+
+    Args:
+        lifetimes: the intermediates of one graph.
+        existing: slots the pool already holds, by name, with their capacities in bytes.
+        share: whether intermediates of this graph whose lifetimes do not overlap may share.
+        prefix: names of new slots are ``prefix`` followed by a number.
+
+    Returns:
+        The slot name of each intermediate, and the bytes this graph needs of each slot it
+        uses (the largest intermediate placed there).
+
+    Example::
+
+        >>> from sharedmem._executor.plan import Lifetime, assign_slots
+        >>> names, need = assign_slots(
+        ...     [Lifetime(100, 0, 1), Lifetime(80, 2, 3), Lifetime(50, 1, 2)], {},
+        ...     share=True, prefix="act.")
+        >>> names, need
+        (['act.0', 'act.0', 'act.1'], {'act.0': 100, 'act.1': 50})
+    """
+    slots = [_Slot(name, capacity) for name, capacity in sorted(existing.items())]
+    taken = set(existing)
+    names: list[str] = [""] * len(lifetimes)
+    need: dict[str, int] = {}
+    order = sorted(range(len(lifetimes)), key=lambda i: (-lifetimes[i].nbytes, lifetimes[i].start))
+    for i in order:
+        life = lifetimes[i]
+        free = [s for s in slots if s.free_for(life, share)]
+        fitting = [s for s in free if s.capacity >= life.nbytes]
+        if fitting:
+            slot = min(fitting, key=lambda s: s.capacity)
+        elif free:
+            slot = max(free, key=lambda s: s.capacity)
+            slot.capacity = life.nbytes
+        else:
+            slot = _Slot(_new_name(prefix, taken), life.nbytes)
+            taken.add(slot.name)
+            slots.append(slot)
+        slot.busy.append((life.start, life.end))
+        names[i] = slot.name
+        need[slot.name] = max(need.get(slot.name, 0), life.nbytes)
+    return names, dict(sorted(need.items(), key=lambda kv: _slot_order(kv[0], prefix)))
+
+
+def _new_name(prefix: str, taken: set[str]) -> str:
+    # The smallest free number, so names stay small and the same across runs.
+    k = 0
+    while f"{prefix}{k}" in taken:
+        k += 1
+    return f"{prefix}{k}"
+
+
+def _slot_order(name: str, prefix: str) -> tuple[int, str]:
+    tail = name[len(prefix) :]
+    return (int(tail), "") if tail.isdigit() else (-1, name)
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What one traced graph asks of the pool, and what its plan saves.
+
+    Attributes:
+        plan: ``"liveness"`` or ``"per_node"``.
+        signature: the input signature the graph was traced for, in words.
+        nodes: ATen ops in the graph.
+        pooled_values: intermediates written into pool buffers.
+        slots: pool buffers the plan needs for them, on a pool of its own.
+        pooled_bytes: bytes of those buffers (each as big as the largest intermediate placed
+            in it), on a pool of its own.
+        per_node_bytes: bytes one buffer per intermediate would need.
+        added_bytes: bytes the graph actually added to the shared pool when it was planned;
+            with buffers of earlier graphs (a train step before an eval forward) it is much
+            less than ``pooled_bytes``.
+        unpooled_bytes: bytes each call allocates outside the pool (ops with no native
+            ``out=`` form); these are counted in the pool's ``unpooled_bytes``.
+        unpooled_ops: those ops, by name.
+    """
+
+    plan: str
+    signature: str
+    nodes: int
+    pooled_values: int
+    slots: int
+    pooled_bytes: int
+    per_node_bytes: int
+    added_bytes: int
+    unpooled_bytes: int
+    unpooled_ops: tuple[str, ...]
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the plan saves against one buffer per intermediate."""
+        return self.per_node_bytes - self.pooled_bytes
+
+    @property
+    def saving(self) -> float:
+        """``saved_bytes`` as a fraction of ``per_node_bytes`` (0.0 for an empty graph)."""
+        return self.saved_bytes / self.per_node_bytes if self.per_node_bytes else 0.0
+
+    def __str__(self) -> str:
+        ops = ", ".join(self.unpooled_ops) or "none"
+        return (
+            f"{self.plan} plan for {self.signature}: {self.nodes} ops, "
+            f"{self.pooled_values} pooled intermediates in {self.slots} buffers, "
+            f"{self.pooled_bytes:,} bytes (one buffer per node: {self.per_node_bytes:,}; "
+            f"saved {self.saved_bytes:,}, {self.saving:.0%}); added to the pool: "
+            f"{self.added_bytes:,} bytes; "
+            f"unpooled per call: {self.unpooled_bytes:,} bytes ({ops})"
+        )
