@@ -12,6 +12,7 @@ from ._backends import backend_names
 from ._blob import Blob
 from ._devices import available_devices
 from ._errors import OutOfMemoryError, SharedMemError
+from ._offload import save_on_pool
 from ._pool import BufferPool
 from ._synced import Head, SyncedMemory
 
@@ -27,4 +28,5 @@ __all__ = [
     "__version__",
     "available_devices",
     "backend_names",
+    "save_on_pool",
 ]
