@@ -44,6 +44,7 @@ class Names:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self._busy: set[tuple[int, int]] = set()
+        self.memories: dict[str, SyncedMemory] = {}  # name -> its memory, once looked up
         # Re-entrant: a collection inside lease() may drop another step's graph, whose
         # handles give their names back from the same thread.
         self._lock = threading.RLock()
@@ -247,15 +248,19 @@ class Step:
         source = tensor.detach().as_strided((span,), (1,)).view(torch.uint8)
         held: Restored | None = None
         try:
+            memory = self.names.memories.get(name)
+            if memory is None or memory.size != nbytes:
+                # Through the pool when the size changes: the blob's shape, the high-water
+                # mark and the room follow. In steady state the memory is used directly.
+                acquire = self.pool.host_tensor if self.offload else self.pool.tensor
+                acquire(name, (nbytes,), torch.uint8)
+                memory = self.names.memories[name] = self.pool.blob(name).data_memory
             if self.offload:
-                self.pool.host_tensor(name, (nbytes,), torch.uint8)  # room, high-water mark
-                memory = self.pool.blob(name).data_memory
                 stream = self.copies.current()
                 held = Restored(source, self.copies.to_host(memory, source), stream)
                 self.pool.count("offloaded_bytes", nbytes)
             else:
-                self.pool.tensor(name, (nbytes,), torch.uint8).copy_(source)
-                memory = self.pool.blob(name).data_memory
+                memory.mutable_device_data().copy_(source)
                 self.pool.count("pooled_bytes", nbytes)
         except BaseException:
             self.names.release(key)

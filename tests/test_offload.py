@@ -217,6 +217,31 @@ def test_without_offload_saved_tensors_live_in_device_buffers() -> None:
     assert pool.stats()["host_to_device_bytes"] == 0
 
 
+@pytest.mark.parametrize("prefetch", [0, 1, 5])
+def test_prefetch_takes_a_depth(prefetch: int) -> None:
+    plain, pooled = twins(lambda: mlp(depth=6), "emulated")
+    pool = sm.BufferPool("emulated")
+    x = torch.randn(512, 256, dtype=F64)
+    plain(x).sum().backward()
+    with sm.save_on_pool(pool, prefetch=prefetch):
+        loss = pooled(x).sum()
+    loss.backward()
+    assert_same_grads(plain, pooled, f"prefetch={prefetch}")
+    stats = pool.stats()
+    assert stats["restored_bytes"] + stats["kept_bytes"] == stats["offloaded_bytes"] == 7 * MiB
+    assert (stats["prefetched_bytes"] > 0) == (prefetch > 0)
+
+
+def test_a_pool_limit_caps_saved_tensors_kept_on_the_device() -> None:
+    pool = sm.BufferPool("emulated", limit=3 * MiB)
+    model = mlp(width=256, depth=4).double()
+    saving = sm.save_on_pool(pool, offload=False)
+    with pytest.raises(sm.OutOfMemoryError, match="saved"), saving:
+        model(torch.randn(512, 256, dtype=F64)).sum()
+    with sm.save_on_pool(pool):  # offloaded, the limit on device bytes does not apply
+        model(torch.randn(512, 256, dtype=F64)).sum().backward()
+
+
 @pytest.mark.parametrize("device", ["cpu", "emulated"])
 def test_parameters_and_small_tensors_are_left_alone(device: str) -> None:
     pool = sm.BufferPool(device)
@@ -396,6 +421,36 @@ def test_download_and_upload_check_the_tensor_they_copy() -> None:
     assert fence is not None
     fence.wait_device()
     assert torch.equal(target, source) and torch.equal(memory.host_data(), source)
+
+
+def test_random_schedules_of_steps_and_graph_lifetimes_stay_exact(rng: np.random.Generator) -> None:
+    # Graphs kept alive across steps, dropped unused, backwarded twice or out of order: every
+    # backward still equals the plain run, and buffers are shared by no two live graphs.
+    pool = sm.BufferPool("emulated")
+    w = torch.randn(128, 128, dtype=F64, requires_grad=True)
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        h = (x @ w).tanh()
+        return (h.t() @ (h * x)).sin().sum() + h[:, ::3].exp().sum()
+
+    alive: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pooled loss, expected gradient)
+    for step in range(30):
+        batch = int(rng.integers(64, 1100))
+        x = torch.from_numpy(rng.standard_normal((batch, 128)))
+        expected = torch.autograd.grad(loss_of(x), w)[0]
+        with sm.save_on_pool(pool, min_bytes=int(rng.choice([1, 64 << 10])), prefetch=2):
+            alive.append((loss_of(x), expected))
+        action = rng.choice(["backward", "keep", "drop", "twice"])
+        if action == "keep" and len(alive) < 4:
+            continue
+        loss, expected = alive.pop(int(rng.integers(len(alive))))
+        if action == "drop":
+            continue
+        for _ in range(2 if action == "twice" else 1):
+            got = torch.autograd.grad(loss, w, retain_graph=action == "twice")[0]
+            assert torch.equal(got, expected), f"step {step} {action}"
+    for loss, expected in alive:
+        assert torch.equal(torch.autograd.grad(loss, w)[0], expected)
 
 
 # ---- threads ---------------------------------------------------------------------------------
