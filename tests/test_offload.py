@@ -407,52 +407,6 @@ def test_bad_arguments_say_what_is_wrong() -> None:
         sm.save_on_pool(pool, min_bytes=-1)
 
 
-def test_download_and_upload_check_the_tensor_they_copy() -> None:
-    memory = sm.SyncedMemory(16, device="emulated")
-    with pytest.raises(ValueError, match=r"^sharedmem: source must be a 1-D torch.uint8"):
-        memory.download_async(torch.zeros(16))
-    with pytest.raises(TypeError, match=r"^sharedmem: target must be a torch.Tensor"):
-        memory.upload_async(b"0" * 16)  # type: ignore[arg-type]
-    source = torch.arange(16, dtype=torch.uint8)
-    memory.download_async(source)
-    assert memory.head is sm.Head.AT_HOST and memory.device_capacity == 0
-    target = torch.zeros(16, dtype=torch.uint8)
-    fence = memory.upload_async(target)
-    assert fence is not None
-    fence.wait_device()
-    assert torch.equal(target, source) and torch.equal(memory.host_data(), source)
-
-
-def test_random_schedules_of_steps_and_graph_lifetimes_stay_exact(rng: np.random.Generator) -> None:
-    # Graphs kept alive across steps, dropped unused, backwarded twice or out of order: every
-    # backward still equals the plain run, and buffers are shared by no two live graphs.
-    pool = sm.BufferPool("emulated")
-    w = torch.randn(128, 128, dtype=F64, requires_grad=True)
-
-    def loss_of(x: torch.Tensor) -> torch.Tensor:
-        h = (x @ w).tanh()
-        return (h.t() @ (h * x)).sin().sum() + h[:, ::3].exp().sum()
-
-    alive: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pooled loss, expected gradient)
-    for step in range(30):
-        batch = int(rng.integers(64, 1100))
-        x = torch.from_numpy(rng.standard_normal((batch, 128)))
-        expected = torch.autograd.grad(loss_of(x), w)[0]
-        with sm.save_on_pool(pool, min_bytes=int(rng.choice([1, 64 << 10])), prefetch=2):
-            alive.append((loss_of(x), expected))
-        action = rng.choice(["backward", "keep", "drop", "twice"])
-        if action == "keep" and len(alive) < 4:
-            continue
-        loss, expected = alive.pop(int(rng.integers(len(alive))))
-        if action == "drop":
-            continue
-        for _ in range(2 if action == "twice" else 1):
-            got = torch.autograd.grad(loss, w, retain_graph=action == "twice")[0]
-            assert torch.equal(got, expected), f"step {step} {action}"
-    for loss, expected in alive:
-        assert torch.equal(torch.autograd.grad(loss, w)[0], expected)
-
-
 # ---- threads ---------------------------------------------------------------------------------
 
 
