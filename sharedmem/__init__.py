@@ -13,6 +13,7 @@ from ._blob import Blob
 from ._devices import available_devices
 from ._errors import OutOfMemoryError, SharedMemError
 from ._executor import pooled_forward, pooled_train_step
+from ._offload import save_on_pool
 from ._pool import BufferPool
 from ._synced import Head, SyncedMemory
 
@@ -30,4 +31,5 @@ __all__ = [
     "backend_names",
     "pooled_forward",
     "pooled_train_step",
+    "save_on_pool",
 ]

@@ -22,10 +22,10 @@ import threading
 
 import torch
 
-from ._backends import Placement, resolve
+from ._backends import Fence, Placement, resolve
 from ._devices import DeviceLike
 from ._side import Side
-from ._validate import check_nbytes
+from ._validate import check_byte_tensor, check_nbytes
 
 __all__ = ["Head", "SyncedMemory"]
 
@@ -218,6 +218,43 @@ class SyncedMemory:
             return
         with self._lock:
             self._to_host(min(self._size, self._written), stream=stream, asynchronous=True)
+
+    def download_async(self, source: torch.Tensor, stream: object = None) -> Fence | None:
+        """Like ``pull_async``, from ``source`` (1-D uint8, ``size`` device bytes outside this
+        memory) into the host side, which becomes the head as after a host write. Returns the
+        copy's fence, or ``None`` once done (always on ``cpu``); keep ``source`` till then."""
+        check_byte_tensor(source, self._size, "source")
+        with self._lock:
+            self._to_host(self._written)  # as mutable_host_data: the head holds every byte
+            self._host.settle()  # a copy still reading these bytes finishes before we write
+            target = self._host.view(self._size)
+            self._wrote(self._host)
+            if self._device is self._host:
+                target.copy_(source)
+                return None
+            backend = self._device.backend
+            fence = backend.download(target, source, stream=stream, asynchronous=True)
+            self._host.fence = fence
+            self.device_to_host_bytes += self._size
+            return fence
+
+    def upload_async(self, target: torch.Tensor, stream: object = None) -> Fence | None:
+        """Like ``push_async``, from the host side into ``target`` (1-D uint8, ``size`` device
+        bytes outside this memory). Returns the fence its reader waits on, or ``None`` once
+        done (always on ``cpu``); host writes and growth wait for the copy."""
+        check_byte_tensor(target, self._size, "target")
+        with self._lock:
+            self._to_host(min(self._size, self._written))
+            self._host.settle()
+            source = self._host.view(self._size)
+            if self._device is self._host:
+                target.copy_(source)
+                return None
+            backend = self._device.backend
+            fence = backend.upload(target, source, stream=stream, asynchronous=True)
+            self._host.fence = fence  # the copy reads the host bytes
+            self.host_to_device_bytes += self._size
+            return fence
 
     # ---- giving memory back ------------------------------------------------------------
 

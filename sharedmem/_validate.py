@@ -13,7 +13,14 @@ from typing import TypeAlias
 
 import torch
 
-__all__ = ["ShapeLike", "check_dtype", "check_name", "check_nbytes", "check_shape"]
+__all__ = [
+    "ShapeLike",
+    "check_byte_tensor",
+    "check_dtype",
+    "check_name",
+    "check_nbytes",
+    "check_shape",
+]
 
 ShapeLike: TypeAlias = "int | Sequence[int] | torch.Size"
 
@@ -106,3 +113,15 @@ def check_name(name: object) -> str:
     if not name:
         raise ValueError("sharedmem: buffer name must not be empty")
     return name
+
+
+def check_byte_tensor(tensor: object, nbytes: int, what: str) -> torch.Tensor:
+    """Return ``tensor`` if it is a 1-D ``uint8`` tensor of exactly ``nbytes`` elements."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"sharedmem: {what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.numel() != nbytes:
+        raise ValueError(
+            f"sharedmem: {what} must be a 1-D torch.uint8 tensor of the memory's size "
+            f"({nbytes:,} bytes), got {tensor.dtype} of shape {tuple(tensor.shape)}"
+        )
+    return tensor

@@ -342,3 +342,26 @@ def test_async_copies_are_no_ops_when_up_to_date_and_on_cpu() -> None:
     cpu.push_async()
     cpu.pull_async()
     assert traffic(cpu) == (0, 0) and cpu.head is H.SYNCED
+
+
+@pytest.mark.parametrize("placement", ALL_PLACEMENTS)
+def test_download_and_upload_copy_to_and_from_tensors_outside(placement: tuple[str, str]) -> None:
+    m = make_memory(placement, 1 << 20)
+    device = m.placement.device_backend.device
+    source = torch.arange(1 << 20).remainder(251).to(torch.uint8).to(device)
+    fence = m.download_async(source)  # like a write to the host side
+    assert m.head is (H.SYNCED if m.device == "cpu" else H.AT_HOST)
+    assert torch.equal(m.host_data().to(device), source)  # waits for the copy
+    if m.device != "cpu":
+        assert fence is not None and m.device_capacity == 0  # the device side is not used
+    target = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
+    fence = m.upload_async(target)
+    if fence is not None:
+        fence.wait_device()
+    assert torch.equal(target, source)
+    two_sided = m.device != "cpu"
+    assert traffic(m) == ((1 << 20, 1 << 20) if two_sided else (0, 0))
+    with pytest.raises(ValueError, match=r"^sharedmem: source must be a 1-D torch.uint8"):
+        m.download_async(torch.zeros(1 << 18))
+    with pytest.raises(TypeError, match=r"^sharedmem: target must be a torch.Tensor"):
+        m.upload_async(bytes(1 << 20))  # type: ignore[arg-type]

@@ -1,0 +1,231 @@
+"""Activation offload: tensors saved for backward go to pooled host buffers and come back,
+prefetched, just before backward needs them (vDNN on a pool)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from ._errors import SharedMemError
+from ._offload_copies import copies_for
+from ._offload_step import Names, Saved, Step
+from ._pool import BufferPool
+from ._validate import _SUPPORTED_DTYPES, check_nbytes
+
+__all__ = ["save_on_pool"]
+
+_DEFAULT_MIN_BYTES = 1 << 20
+_DEFAULT_DEPTH = 2  # restored tensors in flight ahead of backward, at most
+_WINDOW = 2  # offloads in flight behind forward, at most
+_COUNTERS = (
+    "offloaded_bytes",
+    "prefetched_bytes",
+    "restored_bytes",
+    "kept_bytes",
+    "pooled_bytes",
+)
+
+# Per pool, the buffer numbers leased by live saved tensors, shared by every save_on_pool on
+# that pool, so that two graphs alive at once never share a buffer.
+_names: weakref.WeakKeyDictionary[BufferPool, dict[str, Names]] = weakref.WeakKeyDictionary()
+_names_lock = threading.Lock()
+_active = threading.local()  # the save_on_pool active in this thread, if any
+
+
+def _names_of(pool: BufferPool, prefix: str) -> Names:
+    with _names_lock:
+        per_pool = _names.setdefault(pool, {})
+        return per_pool.setdefault(prefix, Names(prefix))
+
+
+def _span_bytes(tensor: torch.Tensor) -> int:
+    """Bytes from the first element to the last, inclusive (strides are never negative)."""
+    if tensor.numel() == 0:
+        return 0
+    last = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return (last + 1) * tensor.element_size()
+
+
+class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
+    """Keep tensors saved for backward in pool buffers; with ``offload``, on the host side.
+
+    Inside the block every tensor autograd saves for backward that is at least ``min_bytes``
+    is copied into a pool buffer, and autograd keeps a small handle instead of the tensor, so
+    the tensor's device memory goes back to the allocator once the copy has read it. Offloads
+    run behind forward (on a side stream on CUDA), at most two in flight: the third makes
+    compute wait for the oldest, which bounds the device memory they hold when copies are
+    slower than compute. In backward each tensor is restored into a fresh device tensor just
+    before its node runs; with ``prefetch`` the ones saved just before it (backward runs
+    roughly last-in first-out) are restored ahead, so copies overlap compute. The last
+    offloads of forward are still on the device when backward starts and are handed back
+    without a copy.
+
+    What is left alone (kept by autograd as usual): parameters and other leaves that require
+    grad, and views of them (they stay alive anyway), tensors under ``min_bytes``, tensors on
+    another device than the pool's, and tensors a byte copy cannot carry (sparse, quantized,
+    nested, tensor subclasses, conjugate or negative views).
+
+    **Buffers.** Saved tensors go into buffers named ``offload.<n>`` (``saved.<n>`` without
+    ``offload``), ``n`` being the tensor's place in the step (reset at every entry). The same
+    model run again therefore reuses the same buffers in the same order: the host side grows
+    during the first step (pinned once, on CUDA) and never again, which ``stats()["num_grows"]``
+    and ``host_reserved_bytes`` show. A buffer is reused only once autograd has dropped every
+    handle to it (after backward, or when the graph is freed); a graph still alive keeps its
+    buffers, and the next step uses ``offload.<n>.1`` (and so on) meanwhile. Leave these names
+    to ``save_on_pool``, and release the pool only when no graph needs them.
+
+    **Exactness.** A saved tensor is carried as the raw bytes from its first element to its last
+    and rebuilt with the same shape, strides, dtype and alignment, so views, transposed and
+    channels-last tensors round-trip bit for bit, and gradients equal those of the plain run.
+    A tensor saved by several nodes, or a view lying inside a tensor already saved (``flatten``
+    before a classifier), is stored once and restored once per backward.
+
+    **Memory safety.** Restored tensors come from the device's allocator (PyTorch's caching
+    allocator on CUDA, which reuses memory without driver calls), never from a ring of pool
+    buffers: whoever keeps one (the engine while a node runs, a ``create_graph`` graph, code
+    reading ``grad_fn._saved_self``) keeps its memory, so nothing can be overwritten under it.
+    A restored tensor is kept until every save of it has been unpacked in the current backward,
+    as long as the plain run keeps the original. With ``retain_graph=True`` the host copy stays
+    until the graph is freed, so every further backward restores again and is exact. On CUDA
+    every copy is ordered against the compute stream by events, and device memory is only
+    dropped once the compute stream has waited for the copy using it (or after
+    ``record_stream``), so the caching allocator never hands out bytes a copy still uses.
+
+    A saved tensor changed in place after it was saved raises ``SharedMemError`` in backward
+    (when it is still alive to tell), as autograd would without hooks.
+
+    **Stats** (``pool.stats()``, and ``report()`` when not zero): ``offloaded_bytes`` copied
+    into host buffers, ``pooled_bytes`` copied into device buffers (``offload=False``),
+    ``restored_bytes`` copied back for backward, ``prefetched_bytes`` the part of those that was
+    restored ahead of use, ``kept_bytes`` handed back from device memory still held for an
+    offload in flight (no copy). On ``emulated`` the copies also count in
+    ``device_to_host_bytes`` and ``host_to_device_bytes``.
+
+    Nesting ``save_on_pool`` (on any pool) raises ``SharedMemError``. It is for eager autograd;
+    it does not apply to ``torch.compile``-d code or to a pooled graph executor, which manages
+    its own buffers.
+
+    Args:
+        pool: the pool that holds the saved tensors.
+        offload: ``True``: host buffers (the memory of ``cpu`` itself, emulated host memory,
+            pinned memory on CUDA), giving the device memory back. ``False``: the pool's device
+            buffers (saved activations show in the pool's stats and count against its limit).
+        prefetch: restore ahead of use (``True``: up to 2 tensors ahead; an int: that many).
+        min_bytes: smaller tensors are left alone (default 1 MiB).
+
+    Example::
+
+        >>> import torch, sharedmem as sm
+        >>> pool = sm.BufferPool("emulated")
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+        >>> x = torch.randn(1024, 512)  # 2 MiB activations
+        >>> with sm.save_on_pool(pool):
+        ...     loss = model(x).square().sum()
+        >>> loss.backward()
+        >>> s = pool.stats()
+        >>> s["offloaded_bytes"] >> 20, (s["restored_bytes"] + s["kept_bytes"]) >> 20
+        (10, 10)
+        >>> s["device_reserved_bytes"], s["num_grows"]
+        (0, 5)
+    """
+
+    def __init__(
+        self,
+        pool: BufferPool,
+        *,
+        offload: bool = True,
+        prefetch: bool | int = True,
+        min_bytes: int = _DEFAULT_MIN_BYTES,
+    ) -> None:
+        if not isinstance(pool, BufferPool):
+            raise TypeError(
+                f"sharedmem: save_on_pool takes a BufferPool, got {type(pool).__name__}"
+            )
+        if not isinstance(offload, bool):
+            raise TypeError(f"sharedmem: offload must be a bool, got {type(offload).__name__}")
+        if isinstance(prefetch, bool):
+            depth = _DEFAULT_DEPTH if prefetch else 0
+        elif isinstance(prefetch, int):
+            depth = check_nbytes(prefetch, "prefetch")
+        else:
+            raise TypeError(
+                f"sharedmem: prefetch must be a bool or an int, got {type(prefetch).__name__}"
+            )
+        self._pool = pool
+        self._offload = offload
+        # Without offload a restore is a copy on the device: nothing to overlap.
+        self._depth = depth if offload else 0
+        self._min_bytes = check_nbytes(min_bytes, "min_bytes")
+        self._copies = copies_for(pool.device)
+        self._names = _names_of(pool, "offload" if offload else "saved")
+        self._step: Step | None = None
+        for key in _COUNTERS:
+            pool.count(key, 0)  # the keys are in stats() from the start
+        super().__init__(self._pack, _unpack)
+
+    def __enter__(self) -> None:
+        if getattr(_active, "hooks", None) is not None or self._step is not None:
+            raise SharedMemError(
+                "sharedmem: save_on_pool cannot be nested (one is already active in this "
+                "thread): saved tensors would go to two places at once. Use a single "
+                "save_on_pool around the whole forward."
+            )
+        self._step = Step(
+            self._pool,
+            self._names,
+            self._copies,
+            offload=self._offload,
+            depth=self._depth,
+            window=_WINDOW,
+        )
+        _active.hooks = self
+        try:
+            super().__enter__()
+        except BaseException:
+            self._step, _active.hooks = None, None
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            step, self._step, _active.hooks = self._step, None, None
+            if step is not None:
+                step.close()  # the step lives on in the handles autograd holds
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        step = self._step
+        nbytes = _span_bytes(tensor) if self._eligible(tensor) else 0
+        if step is None or nbytes < max(self._min_bytes, 1):
+            # Left alone. Detached so that the handle does not hold the tensor's own graph
+            # (an output saved by its node would otherwise form a reference cycle).
+            return tensor.detach()
+        return step.pack(tensor, nbytes)
+
+    def _eligible(self, tensor: torch.Tensor) -> bool:
+        base = tensor._base  # a view of a parameter (weight.t() in addmm) stays like it
+        return (
+            type(tensor) is torch.Tensor  # not a Parameter, not a subclass
+            and not (tensor.requires_grad and tensor.is_leaf)
+            and not (base is not None and base.requires_grad and base.is_leaf)
+            and tensor.layout == torch.strided
+            and not tensor.is_nested
+            and not tensor.is_quantized
+            and not tensor.is_conj()
+            and not tensor.is_neg()
+            and tensor.dtype in _SUPPORTED_DTYPES
+            and tensor.device == self._copies.device
+            and tensor.data_ptr() % tensor.element_size() == 0
+        )
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, Saved):
+        return packed.slot.step.unpack(packed)
+    assert isinstance(packed, torch.Tensor)
+    return packed

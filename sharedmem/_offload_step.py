@@ -1,0 +1,378 @@
+"""The saved tensors of one step of ``save_on_pool``: pool buffers leased by name, restores,
+prefetch, and giving buffers back when autograd lets go of them.
+
+Lifetimes:
+
+* A ``Slot`` is one distinct saved tensor (a tensor saved by several nodes, or a view inside
+  it, is stored once). Its pool buffer ``<prefix>.<n>`` (``n``: its place in the step) is
+  leased from the pool's ``Names`` while any ``Saved`` handle of it is alive; autograd drops
+  the handles with the graph (after backward, unless ``retain_graph``), and the buffer goes
+  back to be reused by a later step.
+* A restored tensor is a fresh tensor from the device's allocator, never a view of a pool
+  buffer: whoever holds it (the engine while a node runs, a double-backward graph, user code
+  reading ``grad_fn._saved_self``) holds its memory, so no later step can overwrite it. The
+  slot keeps it only until every save of that tensor has been unpacked in the current backward
+  pass, which is how long the plain run keeps the original.
+
+All state changes happen under the step's lock. A handle that dies (``__del__``, in whatever
+thread drops the graph) only queues itself; the lock holder, or the dying handle when the lock
+is free, applies the queue, so a collection that runs inside a locked section cannot change
+state under it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from ._errors import SharedMemError
+from ._offload_copies import ALIGN, EngineCopies, Restored
+from ._pool import BufferPool
+from ._synced import Head, SyncedMemory
+
+__all__ = ["Names", "Saved", "Slot", "Step"]
+
+
+class Names:
+    """Which buffers ``<prefix>.<n>`` of a pool are leased by live saved tensors."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._busy: set[tuple[int, int]] = set()
+        self.memories: dict[str, SyncedMemory] = {}  # name -> its memory, once looked up
+        # Re-entrant: a collection inside lease() may drop another step's graph, whose
+        # handles give their names back from the same thread.
+        self._lock = threading.RLock()
+
+    def lease(self, number: int) -> tuple[str, tuple[int, int]]:
+        """The buffer for the step's tensor ``number``: ``<prefix>.<number>``, or when a graph
+        still alive holds that one, ``<prefix>.<number>.<k>``. Either way a buffer is used for
+        the same place in the step every time, so it meets the same sizes and stops growing.
+
+        Returns the name and the key to give back to ``release``.
+        """
+        with self._lock:
+            key = (number, 0)
+            while key in self._busy:
+                key = (number, key[1] + 1)
+            self._busy.add(key)
+        suffix = "" if key[1] == 0 else f".{key[1]}"
+        return f"{self.prefix}.{number}{suffix}", key
+
+    def release(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            self._busy.discard(key)
+
+
+class Slot:
+    """One span of saved bytes: a saved tensor, and any saved view that lies inside it."""
+
+    def __init__(
+        self,
+        step: Step,
+        index: int,
+        name: str,
+        key: tuple[int, int],
+        memory: SyncedMemory,
+        tensor: torch.Tensor,
+    ) -> None:
+        self.step = step
+        self.index = index  # place in the step's packing order
+        self.name = name  # its pool buffer
+        self.key = key  # the lease of that name
+        self.memory = memory
+        self.dtype = tensor.dtype
+        self.start = tensor.data_ptr()  # address of the span's first byte, while it lived
+        self.nbytes = memory.size
+        self.align = self.start % ALIGN
+        # Kept to refuse a tensor changed in place after it was saved, as autograd does
+        # without hooks, and to match later saves of it; weak, so its memory can go.
+        self.origin = weakref.ref(tensor)
+        self.version = tensor._version
+        self.live = 0  # Saved handles alive
+        self.seen_pass = -1  # the backward pass in which seen_count handles were unpacked
+        self.seen_count = 0
+        self.restored: Restored | None = None  # a device copy, prefetched or still needed
+        self.prefetched = False  # restored by prefetch and not yet handed out
+        self.released = False
+        # While its offload may run: the saved bytes on the device, held so that their
+        # memory is not reused under the copy, and the copy's fence. The last few of a
+        # forward are still held when backward starts, and are handed back without a copy.
+        self.source: Restored | None = None
+
+    def holds(self, tensor: torch.Tensor, nbytes: int) -> bool:
+        """Whether ``tensor`` (``nbytes`` of span) is this slot's bytes, unchanged since."""
+        origin = self.origin()
+        start = tensor.data_ptr()
+        return (
+            not self.released
+            and origin is not None  # alive, so its storage is, and addresses are unique
+            and origin._version == self.version
+            and tensor.dtype == self.dtype
+            and self.start <= start
+            and start + nbytes <= self.start + self.nbytes
+            and (start - self.start) % tensor.element_size() == 0
+        )
+
+    def check_unchanged(self) -> None:
+        tensor = self.origin()
+        if tensor is not None and tensor._version != self.version:
+            raise SharedMemError(
+                f"sharedmem: a tensor saved for backward (shape {tuple(tensor.shape)}, "
+                f"{self.dtype}) was modified by an in-place operation after it was saved "
+                f"(version {self.version} -> {tensor._version}). Autograd would refuse this "
+                "without save_on_pool too; clone the tensor before changing it in place."
+            )
+
+
+class Saved:
+    """What autograd stores for one save of a pooled tensor (the packed object): the slot,
+    and where in the slot's bytes this save's tensor lies."""
+
+    __slots__ = ("offset", "shape", "slot", "stride", "unpacked_pass")
+
+    def __init__(self, slot: Slot, tensor: torch.Tensor) -> None:
+        self.slot = slot
+        self.shape = tensor.shape
+        self.stride = tensor.stride()
+        self.offset = (tensor.data_ptr() - slot.start) // tensor.element_size()
+        self.unpacked_pass = -1
+
+    def rebuild(self, raw: torch.Tensor) -> torch.Tensor:
+        """This save's tensor, with its shape, strides and dtype, over the slot's ``raw`` bytes."""
+        typed = raw.view(self.slot.dtype)
+        return typed.as_strided(self.shape, self.stride, typed.storage_offset() + self.offset)
+
+    def __del__(self) -> None:
+        self.slot.step.dropped(self.slot, self.unpacked_pass)
+
+
+class Step:
+    """The slots of one entry of ``save_on_pool``, in the order they were saved."""
+
+    def __init__(
+        self,
+        pool: BufferPool,
+        names: Names,
+        copies: EngineCopies,
+        *,
+        offload: bool,
+        depth: int,
+        window: int,
+    ) -> None:
+        self.pool = pool
+        self.names = names
+        self.copies = copies
+        self.offload = offload
+        self.depth = depth  # restored-ahead tensors not yet handed out, at most
+        self.window = window  # offloads whose source is still held, at most
+        self.inflight: deque[Slot] = deque()  # slots holding their source, oldest first
+        self.slots: list[Slot] = []
+        # storage address -> the slots of it: a tensor saved again, or a view of a saved
+        # tensor, is served from the same bytes
+        self.seen: dict[int, list[Slot]] = {}
+        self.pass_id = 0  # backward passes over this step's graph (retain_graph)
+        self.cursor = sys.maxsize  # prefetch goes on below this slot index
+        self.outstanding = 0  # prefetched and not yet handed out
+        self._lock = threading.Lock()
+        self._dead: deque[tuple[Slot, int]] = deque()
+
+    # ---- locking -------------------------------------------------------------------------
+
+    def _locked(self, work: Callable[[], Saved | Restored]) -> Saved | Restored:
+        try:
+            with self._lock:
+                try:
+                    return work()
+                finally:
+                    self._reap()
+        finally:
+            self._flush()  # a handle may have died between the last reap and the release
+
+    def _reap(self) -> None:
+        while self._dead:
+            slot, unpacked_pass = self._dead.popleft()
+            self._drop(slot, unpacked_pass)
+
+    def _flush(self) -> None:
+        # Whoever finds the queue not empty and the lock free applies it; a holder always
+        # flushes after releasing, so no entry is left behind.
+        while self._dead and self._lock.acquire(blocking=False):
+            try:
+                self._reap()
+            finally:
+                self._lock.release()
+
+    def dropped(self, slot: Slot, unpacked_pass: int) -> None:
+        """A handle died. Applied now if the lock is free, else by the lock's holder."""
+        self._dead.append((slot, unpacked_pass))
+        self._flush()
+
+    def close(self) -> None:
+        """The forward is over: no more saves to match against."""
+        with self._lock:
+            self.seen.clear()
+
+    # ---- packing -------------------------------------------------------------------------
+
+    def pack(self, tensor: torch.Tensor, nbytes: int) -> Saved:
+        """Store ``tensor`` (its ``nbytes``-byte span) in a pool buffer; one handle per save."""
+        result = self._locked(lambda: self._pack(tensor, nbytes))
+        assert isinstance(result, Saved)
+        return result
+
+    def _pack(self, tensor: torch.Tensor, nbytes: int) -> Saved:
+        address = tensor.untyped_storage().data_ptr()
+        # Slots whose tensor is gone can match nothing any more: their address may be a new
+        # storage's by now (the allocator reuses it at once).
+        same_storage = [s for s in self.seen.get(address, ()) if s.origin() is not None]
+        slot = next((s for s in same_storage if s.holds(tensor, nbytes)), None)
+        if slot is None:
+            slot = self._store(tensor, nbytes)
+            same_storage.append(slot)
+        self.seen[address] = same_storage
+        slot.live += 1
+        return Saved(slot, tensor)
+
+    def _store(self, tensor: torch.Tensor, nbytes: int) -> Slot:
+        name, key = self.names.lease(len(self.slots))
+        # The bytes from the tensor's first element to its last, whatever its strides: a
+        # round trip then keeps shape, strides and dtype exactly (the plain run keeps at
+        # least this span alive too, since a saved view holds its whole storage).
+        span = nbytes // tensor.element_size()
+        source = tensor.detach().as_strided((span,), (1,)).view(torch.uint8)
+        held: Restored | None = None
+        try:
+            memory = self.names.memories.get(name)
+            if memory is None or memory.size != nbytes:
+                # Through the pool when the size changes: the blob's shape, the high-water
+                # mark and the room follow. In steady state the memory is used directly.
+                acquire = self.pool.host_tensor if self.offload else self.pool.tensor
+                acquire(name, (nbytes,), torch.uint8)
+                memory = self.names.memories[name] = self.pool.blob(name).data_memory
+            if self.offload:
+                stream = self.copies.current()
+                held = Restored(source, self.copies.to_host(memory, source), stream)
+                self.pool.count("offloaded_bytes", nbytes)
+            else:
+                memory.mutable_device_data().copy_(source)
+                self.pool.count("pooled_bytes", nbytes)
+        except BaseException:
+            self.names.release(key)
+            raise
+        slot = Slot(self, len(self.slots), name, key, memory, tensor)
+        self.slots.append(slot)
+        if held is not None:
+            slot.source = held
+            self.inflight.append(slot)
+            while len(self.inflight) > self.window:
+                # The oldest offload has had a few layers of compute to run behind; the
+                # compute side now waits for it, and its device memory is free again.
+                oldest = self.inflight.popleft()
+                assert oldest.source is not None
+                self.copies.retire(oldest.source)
+                oldest.source = None
+        return slot
+
+    # ---- unpacking -----------------------------------------------------------------------
+
+    def unpack(self, handle: Saved) -> torch.Tensor:
+        """The saved tensor of ``handle`` on the device, restored or prefetched."""
+        restored = self._locked(lambda: self._unpack(handle))
+        assert isinstance(restored, Restored)
+        self.copies.hand_over(restored)
+        return handle.rebuild(restored.tensor)
+
+    def _unpack(self, handle: Saved) -> Restored:
+        slot = handle.slot
+        if handle.unpacked_pass == self.pass_id:
+            # This save was unpacked before in this pass: a new backward over a retained
+            # graph (or user code reading grad_fn._saved_*). Prefetch starts from the top.
+            self.pass_id += 1
+            self.cursor = sys.maxsize
+        handle.unpacked_pass = self.pass_id
+        slot.check_unchanged()
+        if slot.seen_pass != self.pass_id:
+            slot.seen_pass, slot.seen_count = self.pass_id, 0
+        slot.seen_count += 1
+        restored = slot.restored
+        if restored is None and slot.source is not None:
+            # Still on the device (the end of forward is the start of backward): no copy;
+            # the reader waits for the offload, as a retire would, before it can free it.
+            restored, slot.source = slot.source, None
+            self.inflight.remove(slot)
+            self.pool.count("kept_bytes", slot.nbytes)
+        elif restored is None:
+            restored = self._restore(slot)
+        elif slot.prefetched:
+            slot.prefetched = False
+            self.outstanding -= 1
+        slot.restored = None if slot.seen_count >= slot.live else restored
+        self._prefetch(slot.index)
+        return restored
+
+    def _restore(self, slot: Slot) -> Restored:
+        if slot.memory.head is Head.UNINITIALIZED or slot.memory.size != slot.nbytes:
+            raise SharedMemError(
+                f"sharedmem: the pool buffer {slot.name!r} that holds a "
+                "tensor saved for backward was released or reused while the graph still "
+                "needed it (pool.release(), or a buffer of that name used by hand). Release "
+                "the pool only after backward, and leave the offload.* / saved.* names to "
+                "save_on_pool."
+            )
+        if self.offload:
+            restored = self.copies.restore(slot.memory, slot.align)
+        else:
+            restored = self.copies.copy(slot.memory, slot.align)
+        self.pool.count("restored_bytes", slot.nbytes)
+        return restored
+
+    def _prefetch(self, below: int) -> None:
+        """Restore ahead the slots saved just before ``below``: backward needs them next."""
+        index = min(self.cursor, below - 1)
+        while self.outstanding < self.depth and index >= 0:
+            slot = self.slots[index]
+            if (
+                not slot.released
+                and slot.restored is None
+                and slot.source is None
+                and slot.seen_pass != self.pass_id
+            ):
+                slot.restored = self._restore(slot)
+                slot.prefetched = True
+                self.outstanding += 1
+                self.pool.count("prefetched_bytes", slot.nbytes)
+            index -= 1
+        self.cursor = index
+
+    # ---- giving back -----------------------------------------------------------------------
+
+    def _drop(self, slot: Slot, unpacked_pass: int) -> None:
+        slot.live -= 1
+        if unpacked_pass >= 0 and unpacked_pass == slot.seen_pass:
+            slot.seen_count -= 1  # it no longer waits for its unpack
+        if slot.live == 0:
+            if slot.prefetched:  # restored ahead for nothing: the graph went first
+                self.outstanding -= 1
+                slot.prefetched = False
+                assert slot.restored is not None
+                self.copies.discard(slot.restored.tensor)  # its copy may still run
+            if slot.source is not None:  # the graph went before its offload was retired
+                self.copies.discard(slot.source.tensor)
+                self.inflight.remove(slot)
+                slot.source = None
+            slot.restored = None
+            slot.released = True
+            self.names.release(slot.key)
+        elif (
+            slot.restored is not None
+            and not slot.prefetched
+            and slot.seen_pass == self.pass_id
+            and slot.seen_count >= slot.live
+        ):
+            slot.restored = None  # every remaining save of it has been unpacked

@@ -1,0 +1,486 @@
+"""save_on_pool: saved tensors in pool buffers give the plain run's gradients bit for bit, the
+host side stops growing after the first step, and every byte moved is counted."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICES, requires_cuda
+
+import sharedmem as sm
+
+MiB = 1 << 20
+F64 = torch.float64
+
+
+def torch_device(device: str) -> str:
+    # Emulated device views are CPU tensors, so a model "on emulated" runs on the CPU.
+    return "cpu" if device in ("cpu", "emulated") else device
+
+
+@contextmanager
+def deterministic(device: str) -> Iterator[None]:
+    """Exact comparisons on CUDA need kernels that pick the same algorithm every time."""
+    if not device.startswith("cuda"):
+        yield
+        return
+    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
+
+
+def mlp(width: int = 256, depth: int = 4) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+
+
+def cnn() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 16, 3, padding=1, bias=False),
+        torch.nn.ReLU(inplace=True),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),  # a view of a saved tensor: stored once
+        torch.nn.Linear(16 * 8 * 8, 10),
+    )
+
+
+def twins(make: Callable[[], torch.nn.Module], device: str) -> tuple[torch.nn.Module, ...]:
+    torch.manual_seed(1)
+    first = make().to(torch_device(device), F64)
+    torch.manual_seed(1)
+    second = make().to(torch_device(device), F64)
+    return first, second
+
+
+def grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def assert_same_grads(plain: torch.nn.Module, pooled: torch.nn.Module, where: str) -> None:
+    a, b = grads(plain), grads(pooled)
+    assert len(a) == len(b) > 0, where
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(x, y), f"{where}: gradient {i} differs by {(x - y).abs().max():.3e}"
+
+
+# ---- gradients equal the plain run exactly ----------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize(("offload", "prefetch"), [(True, True), (True, False), (False, True)])
+def test_gradients_equal_the_plain_run_exactly(
+    device: str, model: str, offload: bool, prefetch: bool, seed: int
+) -> None:
+    pool = sm.BufferPool(device)
+    plain, pooled = twins(mlp if model == "mlp" else cnn, device)
+    generator = torch.Generator().manual_seed(seed)
+    with deterministic(device):
+        for step, batch in enumerate([24, 9, 24, 31, 24]):  # several steps and batch sizes
+            shape = (batch, 256) if model == "mlp" else (batch, 3, 16, 16)
+            x = torch.randn(shape, dtype=F64, generator=generator).to(torch_device(device))
+            for m in (plain, pooled):
+                m.zero_grad(set_to_none=True)
+            loss = plain(x).square().mean()
+            loss.backward()
+            with sm.save_on_pool(pool, offload=offload, prefetch=prefetch, min_bytes=4096):
+                pooled_loss = pooled(x).square().mean()
+            pooled_loss.backward()
+            assert torch.equal(loss, pooled_loss)
+            assert_same_grads(plain, pooled, f"step {step} batch {batch} seed {seed}")
+    stats = pool.stats()
+    assert stats["offloaded_bytes" if offload else "pooled_bytes"] > 0
+    assert stats["restored_bytes"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_views_and_odd_layouts_round_trip_with_their_strides(device: str) -> None:
+    dev = torch_device(device)
+    pool = sm.BufferPool(device)
+    base = torch.randn(64, 96, dtype=F64, device=dev, requires_grad=True)
+    image = torch.randn(4, 8, 16, 16, dtype=F64, device=dev, requires_grad=True)
+
+    def forward() -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, str]]]:
+        a = base * 1.5
+        t, gapped = a.t(), a[5:, 3::2]
+        # (the tensor saved, the output whose node saved it, the attribute that reads it)
+        saved = [
+            (t, t.sin(), "_saved_self"),  # transposed
+            (gapped, gapped.cos(), "_saved_self"),  # storage offset and gaps
+        ]
+        for made in (
+            a[:1].expand(40, 96).exp(),  # stride 0 (a copy; exp saves its result)
+            (image * 2).contiguous(memory_format=torch.channels_last).tanh(),
+            a.to(torch.float32).sigmoid(),  # another dtype
+        ):
+            saved.append((made, made, "_saved_result"))
+        mask = torch.where(a > 0, a, a * a)  # a bool mask is saved too
+        loss = sum(out.double().sum() for _, out, _ in saved) + mask.sum()
+        return loss, saved  # type: ignore[return-value]
+
+    plain_loss, _ = forward()
+    expected = torch.autograd.grad(plain_loss, [base, image])
+    with sm.save_on_pool(pool, min_bytes=1):
+        loss, saved = forward()
+    for tensor, out, attribute in saved:  # read each back the way backward does
+        restored = getattr(out.grad_fn, attribute)
+        assert restored.shape == tensor.shape and restored.stride() == tensor.stride()
+        assert restored.dtype == tensor.dtype and torch.equal(restored, tensor)
+    got = torch.autograd.grad(loss, [base, image])
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_second_backward_with_retain_graph_and_double_backward_are_exact(device: str) -> None:
+    dev = torch_device(device)
+    pool = sm.BufferPool(device)
+    w = torch.randn(128, 128, dtype=F64, device=dev, requires_grad=True)
+    x = torch.randn(256, 128, dtype=F64, device=dev)
+
+    def f() -> torch.Tensor:
+        return ((x @ w).tanh() @ w).sin().sum()
+
+    first = torch.autograd.grad(f(), w, create_graph=True)[0]
+    second = torch.autograd.grad(first.sum(), w)[0]
+    with sm.save_on_pool(pool, min_bytes=1):
+        y = f()
+    for _ in range(3):  # the host copy stays while the graph lives: every pass restores
+        assert torch.equal(torch.autograd.grad(y, w, retain_graph=True)[0], first.detach())
+    got = torch.autograd.grad(y, w, create_graph=True)[0]
+    assert torch.equal(got, first)
+    assert torch.equal(torch.autograd.grad(got.sum(), w)[0], second)
+
+
+# ---- stats: every byte moved is counted -------------------------------------------------------
+
+
+def test_stats_count_offloaded_restored_and_prefetched_bytes_on_emulated() -> None:
+    pool = sm.BufferPool("emulated")
+    torch.manual_seed(0)
+    model = mlp(width=256, depth=4).double()
+    x = torch.randn(512, 256, dtype=F64)  # every activation is 512 x 256 x 8 = 1 MiB
+    with sm.save_on_pool(pool, min_bytes=MiB):
+        loss = model(x).square().sum()
+    stats = pool.stats()
+    # Saved and at least 1 MiB: the input and four ReLU outputs (each also the next Linear's
+    # input, stored once). The weights (and their transposes) are left alone.
+    assert stats["offloaded_bytes"] == stats["device_to_host_bytes"] == 5 * MiB
+    assert stats["restored_bytes"] == 0
+    assert stats["device_reserved_bytes"] == 0 and stats["host_reserved_bytes"] == 5 * MiB
+    loss.backward()
+    stats = pool.stats()
+    # Backward starts where forward ended: the last two offloads (h4, h3) were still in
+    # flight, so they are handed back from the device; the rest come back by copy, each
+    # once, and each ahead of use.
+    assert stats["kept_bytes"] == 2 * MiB
+    assert stats["restored_bytes"] == stats["host_to_device_bytes"] == 3 * MiB
+    assert stats["prefetched_bytes"] == 3 * MiB
+    report = pool.report()
+    assert "offloaded 5,242,880 bytes" in report and "restored 3,145,728 bytes" in report
+    assert "prefetched 3,145,728 bytes" in report and "kept 2,097,152 bytes" in report
+
+    quiet = sm.BufferPool("emulated")
+    with sm.save_on_pool(quiet, prefetch=False):
+        model(x).square().sum().backward()
+    assert quiet.stats()["prefetched_bytes"] == 0
+    assert quiet.stats()["restored_bytes"] == 3 * MiB
+    assert "prefetched" not in quiet.report()
+
+
+def test_without_offload_saved_tensors_live_in_device_buffers() -> None:
+    pool = sm.BufferPool("emulated")
+    model = mlp(width=256, depth=2).double()
+    x = torch.randn(512, 256, dtype=F64)
+    with sm.save_on_pool(pool, offload=False):
+        loss = model(x).sum()
+    stats = pool.stats()
+    assert stats["pooled_bytes"] == stats["device_reserved_bytes"] == 3 * MiB
+    assert stats["host_reserved_bytes"] == stats["offloaded_bytes"] == 0
+    loss.backward()
+    assert pool.stats()["restored_bytes"] == 3 * MiB
+    assert pool.stats()["host_to_device_bytes"] == 0
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 5])
+def test_prefetch_takes_a_depth(prefetch: int) -> None:
+    plain, pooled = twins(lambda: mlp(depth=6), "emulated")
+    pool = sm.BufferPool("emulated")
+    x = torch.randn(512, 256, dtype=F64)
+    plain(x).sum().backward()
+    with sm.save_on_pool(pool, prefetch=prefetch):
+        loss = pooled(x).sum()
+    loss.backward()
+    assert_same_grads(plain, pooled, f"prefetch={prefetch}")
+    stats = pool.stats()
+    assert stats["restored_bytes"] + stats["kept_bytes"] == stats["offloaded_bytes"] == 7 * MiB
+    assert (stats["prefetched_bytes"] > 0) == (prefetch > 0)
+
+
+def test_a_pool_limit_caps_saved_tensors_kept_on_the_device() -> None:
+    pool = sm.BufferPool("emulated", limit=3 * MiB)
+    model = mlp(width=256, depth=4).double()
+    saving = sm.save_on_pool(pool, offload=False)
+    with pytest.raises(sm.OutOfMemoryError, match="saved"), saving:
+        model(torch.randn(512, 256, dtype=F64)).sum()
+    with sm.save_on_pool(pool):  # offloaded, the limit on device bytes does not apply
+        model(torch.randn(512, 256, dtype=F64)).sum().backward()
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_parameters_and_small_tensors_are_left_alone(device: str) -> None:
+    pool = sm.BufferPool(device)
+    big = torch.nn.Linear(1024, 1024).double()  # an 8 MiB weight, saved by the matmul
+    x = torch.randn(4, 1024, dtype=F64)  # 32 KiB activations
+    with sm.save_on_pool(pool):
+        big(x).relu().sum().backward()
+    assert len(pool) == 0 and pool.stats()["offloaded_bytes"] == 0
+    with sm.save_on_pool(pool, min_bytes=32 * 1024):
+        big(x).relu().sum().backward()
+    # x and the ReLU output; never the weight, its transpose or a leaf that requires grad
+    assert pool.stats()["offloaded_bytes"] == 2 * 32 * 1024
+
+
+# ---- host memory: grown once, then reused -----------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_host_memory_stops_growing_after_the_first_step(device: str) -> None:
+    pool = sm.BufferPool(device)
+    model = cnn().double()
+    seen = []
+    for batch in [16, 16, 7, 16, 12, 16]:  # the largest batch comes first
+        with sm.save_on_pool(pool, min_bytes=1024):
+            loss = model(torch.randn(batch, 3, 16, 16, dtype=F64)).sum()
+        loss.backward()
+        stats = pool.stats()
+        seen.append((stats["num_grows"], stats["host_reserved_bytes"], len(pool)))
+    assert seen[0][0] > 0
+    assert seen[1:] == [seen[0]] * 5, seen
+
+
+def test_graphs_alive_together_get_their_own_buffers() -> None:
+    pool = sm.BufferPool("emulated")
+    w = torch.randn(256, 256, dtype=F64, requires_grad=True)
+    xs = [torch.randn(512, 256, dtype=F64) for _ in range(3)]
+    expected = [torch.autograd.grad((x @ w).exp().sum(), w)[0] for x in xs]
+    losses = []
+    for x in xs:  # three forwards before any backward
+        with sm.save_on_pool(pool):
+            losses.append((x @ w).exp().sum())
+    # x (saved by the matmul) and exp's result, for each of three graphs
+    assert sorted(pool.names()) == [f"offload.{n}{k}" for n in (0, 1) for k in ("", ".1", ".2")]
+    for i in (2, 0, 1):
+        assert torch.equal(torch.autograd.grad(losses[i], w)[0], expected[i])
+    del losses
+    grows = pool.stats()["num_grows"]
+    for x in xs:  # every graph is gone: the first buffers serve every step again
+        with sm.save_on_pool(pool):
+            loss = (x @ w).exp().sum()
+        loss.backward()
+    assert pool.stats()["num_grows"] == grows and len(pool) == 6
+
+
+def test_a_graph_dropped_without_backward_gives_its_buffers_back() -> None:
+    pool = sm.BufferPool("emulated")
+    model = mlp(depth=2).double()
+    x = torch.randn(512, 256, dtype=F64)
+    for _ in range(4):
+        with sm.save_on_pool(pool):
+            loss = model(x).sum()
+        del loss  # no backward: autograd drops the handles with the graph
+        gc.collect()
+    assert sorted(pool.names()) == ["offload.0", "offload.1", "offload.2"]
+    assert pool.stats()["restored_bytes"] == 0
+
+
+def test_the_saved_tensors_device_memory_is_given_back() -> None:
+    pool = sm.BufferPool("emulated")
+    w = torch.randn(512, 256, dtype=F64, requires_grad=True)
+
+    def forward(extra_saves: int) -> tuple[torch.Tensor, weakref.ref[np.ndarray]]:
+        # The saved tensor's memory is a numpy array's, so its lifetime can be watched.
+        array = np.random.default_rng(0).random((512, 256))
+        memory = weakref.ref(array)
+        hidden = w * torch.from_numpy(array)  # saves the numpy-backed tensor
+        del array
+        for _ in range(extra_saves):
+            hidden = hidden.sin()  # each saves its input
+        return hidden.sum(), memory
+
+    loss, memory = forward(3)
+    assert memory() is not None  # the plain run keeps it for backward
+    loss.backward()
+    assert memory() is None
+    with sm.save_on_pool(pool):
+        loss, memory = forward(3)
+    assert memory() is None  # offloaded, and retired once later offloads came in
+    loss.backward()
+    with sm.save_on_pool(pool):
+        loss, memory = forward(1)
+    assert memory() is not None  # among the last offloads of forward: kept for backward
+    kept = pool.stats()["kept_bytes"]
+    loss.backward()
+    assert memory() is None and pool.stats()["kept_bytes"] == kept + 2 * MiB
+
+
+# ---- misuse ----------------------------------------------------------------------------------
+
+
+def test_nesting_is_refused_and_the_outer_block_still_works() -> None:
+    pool = sm.BufferPool("emulated")
+    x = torch.randn(512, 256, dtype=F64, requires_grad=True)
+    outer, other = sm.save_on_pool(pool), sm.save_on_pool(sm.BufferPool("cpu"))
+    with outer:
+        with pytest.raises(sm.SharedMemError, match="cannot be nested"), other:
+            pass
+        with pytest.raises(sm.SharedMemError, match="cannot be nested"), outer:
+            pass
+        loss = (x * 2).exp().sum()
+    assert pool.stats()["offloaded_bytes"] == MiB  # the outer hooks were still in place
+    loss.backward()
+    (x * 2).exp().sum().backward()  # outside: nothing goes to the pool any more
+    assert pool.stats()["offloaded_bytes"] == MiB
+    with outer:  # one object may be entered again once it has exited
+        (x * 3).exp().sum().backward()
+    assert pool.stats()["offloaded_bytes"] == 2 * MiB
+
+
+def test_hooks_are_removed_when_the_block_raises() -> None:
+    pool = sm.BufferPool("emulated")
+    x = torch.randn(512, 256, dtype=F64, requires_grad=True)
+    with pytest.raises(ZeroDivisionError), sm.save_on_pool(pool):
+        _ = 1 / 0
+    (x * 2).exp().sum().backward()
+    assert pool.stats()["offloaded_bytes"] == 0
+    with sm.save_on_pool(pool):  # and a new block may start
+        (x * 2).exp().sum().backward()
+    assert pool.stats()["offloaded_bytes"] == MiB
+
+
+def test_a_saved_tensor_changed_in_place_is_refused_in_backward() -> None:
+    pool = sm.BufferPool("emulated")
+    x = torch.randn(512, 256, dtype=F64, requires_grad=True)
+    with sm.save_on_pool(pool):
+        y = (x * 2).exp()  # exp saves its result
+        y.add_(1)
+    with pytest.raises(sm.SharedMemError, match="modified by an in-place operation"):
+        y.sum().backward()
+
+
+def test_releasing_the_pool_under_a_live_graph_is_refused_in_backward() -> None:
+    pool = sm.BufferPool("emulated")
+    model = mlp(depth=4).double()  # more saved tensors than offloads kept in flight
+    with sm.save_on_pool(pool):
+        loss = model(torch.randn(512, 256, dtype=F64)).sum()
+    pool.release()
+    with pytest.raises(sm.SharedMemError, match="released or reused"):
+        loss.backward()
+
+
+def test_bad_arguments_say_what_is_wrong() -> None:
+    pool = sm.BufferPool("cpu")
+    with pytest.raises(TypeError, match=r"^sharedmem: save_on_pool takes a BufferPool"):
+        sm.save_on_pool("cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^sharedmem: offload must be a bool"):
+        sm.save_on_pool(pool, offload=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^sharedmem: prefetch must be"):
+        sm.save_on_pool(pool, prefetch=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^sharedmem: prefetch must be >= 0"):
+        sm.save_on_pool(pool, prefetch=-1)
+    with pytest.raises(ValueError, match=r"^sharedmem: min_bytes must be >= 0"):
+        sm.save_on_pool(pool, min_bytes=-1)
+
+
+# ---- threads ---------------------------------------------------------------------------------
+
+
+def test_threads_offloading_into_one_pool_get_exact_gradients() -> None:
+    pool = sm.BufferPool("emulated")
+    failures: list[str] = []
+
+    # Made here: torch.manual_seed is global, so threads making models would race on it.
+    models = [twins(lambda: mlp(depth=3), "emulated") for _ in range(3)]
+
+    def train(index: int) -> None:
+        plain, pooled = models[index]
+        generator = torch.Generator().manual_seed(index)
+        for step in range(4):
+            x = torch.randn(512, 256, dtype=F64, generator=generator)
+            for m in (plain, pooled):
+                m.zero_grad(set_to_none=True)
+            plain(x).square().sum().backward()
+            with sm.save_on_pool(pool):
+                loss = pooled(x).square().sum()
+            loss.backward()
+            if any(not torch.equal(a, b) for a, b in zip(grads(plain), grads(pooled), strict=True)):
+                failures.append(f"thread {index} step {step}")
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
+# ---- CUDA ------------------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_offload_lowers_the_peak_of_device_memory() -> None:
+    pool = sm.BufferPool("cuda")
+    model = mlp(width=1024, depth=8).cuda()
+    x = torch.randn(2048, 1024, device="cuda")  # 8 MiB per activation
+
+    def peak(offload: bool) -> int:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        if offload:
+            with sm.save_on_pool(pool):
+                loss = model(x).square().mean()
+        else:
+            loss = model(x).square().mean()
+        loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    peak(True)  # warm both paths: pinned host growth, allocator caching
+    plain = peak(False)
+    assert peak(True) < 0.5 * plain
+    assert pool.stats()["device_reserved_bytes"] == 0
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_forward_and_backward_on_a_side_stream_are_exact() -> None:
+    pool = sm.BufferPool("cuda")
+    plain, pooled = twins(lambda: mlp(width=512, depth=4), "cuda")
+    x = torch.randn(1024, 512, dtype=F64, device="cuda")
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        plain(x).square().sum().backward()
+        with sm.save_on_pool(pool):
+            loss = pooled(x).square().sum()
+        loss.backward()
+    torch.cuda.synchronize()
+    assert_same_grads(plain, pooled, "side stream")
