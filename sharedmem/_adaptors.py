@@ -44,25 +44,17 @@ class BackendAdaptor(Backend):
     def _free(self, block: Block) -> None:
         self.upstream.free(block)
 
-    def upload(
+    def _copy(
         self,
         dst: torch.Tensor,
         src: torch.Tensor,
         *,
-        stream: object = None,
-        asynchronous: bool = False,
+        to_device: bool,
+        stream: object,
+        asynchronous: bool,
     ) -> Fence | None:
-        return self.upstream.upload(dst, src, stream=stream, asynchronous=asynchronous)
-
-    def download(
-        self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        stream: object = None,
-        asynchronous: bool = False,
-    ) -> Fence | None:
-        return self.upstream.download(dst, src, stream=stream, asynchronous=asynchronous)
+        copy = self.upstream.upload if to_device else self.upstream.download
+        return copy(dst, src, stream=stream, asynchronous=asynchronous)
 
 
 class AccountedBackend(BackendAdaptor):

@@ -9,8 +9,6 @@ its bytes are written, grown or freed.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ._backends import Fence
@@ -89,37 +87,6 @@ class EngineCopies:
             restored.fence.wait_device()
 
 
-_side_streams: dict[int, torch.cuda.Stream] = {}
-_side_lock = threading.Lock()
-
-
-def _side_stream(index: int) -> torch.cuda.Stream:
-    # One copy stream per device for all offload copies: a restore is then ordered after the
-    # offload of the same bytes, and compute streams never wait on each other through it.
-    with _side_lock:
-        stream = _side_streams.get(index)
-        if stream is None:
-            stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
-            _side_streams[index] = stream
-        return stream
-
-
-class _EventFence:
-    """The work queued on a stream so far, marked by an event."""
-
-    __slots__ = ("_event", "_index")
-
-    def __init__(self, stream: torch.cuda.Stream, index: int) -> None:
-        self._event = stream.record_event()
-        self._index = index
-
-    def wait_host(self) -> None:
-        self._event.synchronize()
-
-    def wait_device(self) -> None:
-        torch.cuda.current_stream(self._index).wait_event(self._event)
-
-
 class CudaCopies(EngineCopies):
     """Copies on a CUDA device, on a side stream so that they overlap compute.
 
@@ -146,9 +113,20 @@ class CudaCopies(EngineCopies):
     """
 
     def __init__(self, device: torch.device) -> None:
+        # Imported here: nothing of the CUDA backends loads unless a CUDA pool offloads.
+        from ._backends.cuda_streams import side_stream
+
         super().__init__(device)
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.stream = _side_stream(self.index)
+        # The backends' side stream: a restore is then ordered after the offload of the same
+        # bytes, and after any push_async / pull_async of the pool's own memories.
+        self.stream = side_stream(self.index)
+
+    def _fence(self) -> Fence:
+        """The work queued on the side stream so far."""
+        from ._backends.cuda_streams import EventFence
+
+        return EventFence(self.stream.record_event(), self.index)
 
     def current(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.index)
@@ -159,7 +137,7 @@ class CudaCopies(EngineCopies):
             fence = memory.download_async(source, stream=self.stream)
         # A backend without fences copied before returning; an event on the side stream
         # then still orders the compute side after anything it queued there.
-        return fence or _EventFence(self.stream, self.index)
+        return fence or self._fence()
 
     def retire(self, held: Restored) -> None:
         if held.stream == self.current():
@@ -176,7 +154,7 @@ class CudaCopies(EngineCopies):
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             fence = memory.upload_async(target, stream=self.stream)
-        return Restored(target, fence or _EventFence(self.stream, self.index), current)
+        return Restored(target, fence or self._fence(), current)
 
     def copy(self, memory: SyncedMemory, align: int) -> Restored:
         restored = super().copy(memory, align)  # on the compute stream, as its reader

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Backend", "Block", "Fence", "round_up"]
+__all__ = ["Backend", "Block", "Fence", "MovingBackend", "round_up"]
 
 
 class Fence(Protocol):
@@ -132,8 +132,7 @@ class Backend(ABC):
         asynchronous: bool = False,
     ) -> Fence | None:
         """Copy host bytes ``src`` into this side's ``dst`` (same length)."""
-        dst.copy_(src)
-        return None
+        return self._copy(dst, src, to_device=True, stream=stream, asynchronous=asynchronous)
 
     def download(
         self,
@@ -144,6 +143,18 @@ class Backend(ABC):
         asynchronous: bool = False,
     ) -> Fence | None:
         """Copy this side's bytes ``src`` into host ``dst`` (same length)."""
+        return self._copy(dst, src, to_device=False, stream=stream, asynchronous=asynchronous)
+
+    def _copy(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        to_device: bool,
+        stream: object,
+        asynchronous: bool,
+    ) -> Fence | None:
+        """Hook for both copy directions; by default a plain copy, done when it returns."""
         dst.copy_(src)
         return None
 
@@ -158,3 +169,21 @@ class Backend(ABC):
 
     @abstractmethod
     def _free(self, block: Block) -> None: ...
+
+
+class MovingBackend(Backend):
+    """Blocks are plain tensors from an allocator: a growth allocates anew and copies the
+    bytes to keep, a shrink likewise, and a freed block goes back with its last reference."""
+
+    stable_address = False
+
+    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        new = self._allocate(nbytes)
+        new.tensor[:keep].copy_(block.tensor[:keep])
+        return new, keep
+
+    def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
+        return self._grow(block, nbytes, keep)
+
+    def _free(self, block: Block) -> None:
+        pass  # the tensor returns to its allocator when the last view of it is gone

@@ -31,7 +31,7 @@ import warnings
 import torch
 
 from .._errors import OutOfMemoryError
-from ._base import Backend, Block
+from ._base import Block, MovingBackend
 from .cuda import DeviceOutOfMemory, bindings, check, on_device
 from .cuda_owner import Meter, reclaim
 from .host import ReservedBackend
@@ -187,11 +187,10 @@ class PinnedReservedBackend(ReservedBackend):
             pins.mapping.madvise(mmap.MADV_DONTNEED, 0, block.capacity)
 
 
-class PinnedPageableBackend(Backend):
+class PinnedPageableBackend(MovingBackend):
     """Pinned tensors from PyTorch's host allocator; they move (and copy) when they grow."""
 
     kind = "pinned-pageable"
-    stable_address = False
 
     def __init__(self, index: int) -> None:
         super().__init__(device="cpu", granularity=512)
@@ -200,14 +199,3 @@ class PinnedPageableBackend(Backend):
 
     def _allocate(self, nbytes: int) -> Block:
         return Block(_pinned_tensor(nbytes, self.meter, self.index), nbytes)
-
-    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
-        new = self._allocate(nbytes)
-        new.tensor[:keep].copy_(block.tensor[:keep])
-        return new, keep
-
-    def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
-        return self._grow(block, nbytes, keep)
-
-    def _free(self, block: Block) -> None:
-        pass  # the tensor goes back to PyTorch's pinned host cache with its last reference

@@ -89,34 +89,16 @@ class CudaBackend(Backend):
         super().__init__(device=device, granularity=granularity)
         self.index = device_index(device)
 
-    def upload(
-        self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        stream: object = None,
-        asynchronous: bool = False,
-    ) -> EventFence:
-        return self._copy(dst, src, dst, stream, asynchronous)
-
-    def download(
-        self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        stream: object = None,
-        asynchronous: bool = False,
-    ) -> EventFence:
-        return self._copy(dst, src, src, stream, asynchronous)
-
     def _copy(
         self,
         dst: torch.Tensor,
         src: torch.Tensor,
-        mine: torch.Tensor,
+        *,
+        to_device: bool,
         stream: object,
         asynchronous: bool,
     ) -> EventFence:
+        mine = dst if to_device else src  # the tensor of this (device) side
         current = torch.cuda.current_stream(self.index)
         if stream is not None:
             chosen = _as_stream(stream, self.index)

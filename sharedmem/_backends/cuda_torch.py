@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from ._base import Block
+from ._base import Block, MovingBackend
 from .cuda_owner import retry_on_oom
 from .cuda_streams import CudaBackend
 
 __all__ = ["TorchCudaBackend"]
 
 
-class TorchCudaBackend(CudaBackend):
+class TorchCudaBackend(MovingBackend, CudaBackend):
     """Device memory from PyTorch's caching allocator; grows by allocate, copy, free."""
 
     kind = "torch"
-    stable_address = False
 
     def __init__(self, device: str) -> None:
         super().__init__(device, granularity=512)  # the caching allocator's own rounding
@@ -32,17 +31,6 @@ class TorchCudaBackend(CudaBackend):
             lambda: torch.empty(nbytes, dtype=torch.uint8, device=self.device), nbytes, self.device
         )
         return Block(tensor, nbytes)
-
-    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
-        new = self._allocate(nbytes)
-        new.tensor[:keep].copy_(block.tensor[:keep])
-        return new, keep
-
-    def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
-        return self._grow(block, nbytes, keep)
-
-    def _free(self, block: Block) -> None:
-        pass  # the tensor returns to the caching allocator with its last reference
 
     def _used_on(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
         # The caching allocator reuses a freed block on its allocation stream at once; tell it

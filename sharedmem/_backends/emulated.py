@@ -52,31 +52,19 @@ class _FutureFence:
 class _CopyEngine(Backend):
     """Copies between host and emulated device: inline, or on the copy-engine thread."""
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, asynchronous: bool) -> Fence | None:
+    def _copy(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        to_device: bool,
+        stream: object,
+        asynchronous: bool,
+    ) -> Fence | None:
         if not asynchronous:
             dst.copy_(src)
             return None
         return _FutureFence(_copy_engine().submit(dst.copy_, src))
-
-    def upload(
-        self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        stream: object = None,
-        asynchronous: bool = False,
-    ) -> Fence | None:
-        return self._copy(dst, src, asynchronous)
-
-    def download(
-        self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        stream: object = None,
-        asynchronous: bool = False,
-    ) -> Fence | None:
-        return self._copy(dst, src, asynchronous)
 
 
 class EmulatedReserved(_CopyEngine, ReservedBackend):

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from ._base import Backend, Block, round_up
+from ._base import Backend, Block, MovingBackend, round_up
 
 __all__ = ["PageableBackend", "ReservedBackend", "default_reservation"]
 
@@ -51,28 +51,16 @@ def _give_back(block: Block, start: int, end: int) -> None:
         block.handle.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-class PageableBackend(Backend):
+class PageableBackend(MovingBackend):
     """Plain pageable memory from PyTorch's CPU allocator. Moves and copies when it grows."""
 
     kind = "pageable"
-    stable_address = False
 
     def __init__(self, *, device: str = "cpu") -> None:
         super().__init__(device=device, granularity=64)
 
     def _allocate(self, nbytes: int) -> Block:
         return Block(torch.empty(nbytes, dtype=torch.uint8), nbytes)
-
-    def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
-        new = self._allocate(nbytes)
-        new.tensor[:keep].copy_(block.tensor[:keep])
-        return new, keep
-
-    def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
-        return self._grow(block, nbytes, keep)
-
-    def _free(self, block: Block) -> None:
-        pass  # the tensor goes back to PyTorch's allocator with its last reference
 
 
 class ReservedBackend(Backend):
