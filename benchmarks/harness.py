@@ -94,7 +94,7 @@ def _fmt(value: float, unit: str) -> str:
         for scale, suffix in ((1e-6, "us"), (1e-3, "ms"), (1.0, "s")):
             if value < scale * 1000:
                 return f"{value / scale:.2f} {suffix}"
-    if unit == "bytes":
+    if unit == "bytes" or (unit == "" and float(value).is_integer()):
         return f"{int(value):,}"
     return f"{value:,.2f} {unit}".strip()
 

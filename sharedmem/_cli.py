@@ -17,8 +17,14 @@ def _demo(args: argparse.Namespace) -> int:
         eval_batch=args.eval_batch,
         seed=args.seed,
     )
-    result = run_demo(config)
+    result = run_demo(config, plot=args.plot)
     return 0 if result["losses"][-1] < result["losses"][0] else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ._bench import run_bench  # the suite imports models and the executor: load on demand
+
+    return run_bench(args.quick, args.device, args.json)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--train-batch", type=int, default=DemoConfig.train_batch)
     demo.add_argument("--eval-batch", type=int, default=DemoConfig.eval_batch)
     demo.add_argument("--seed", type=int, default=DemoConfig.seed)
+    demo.add_argument("--plot", metavar="PATH", help="write the pool's memory timeline as a PNG")
     demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser(
+        "bench", help="measure every target of the design against its PyTorch baseline"
+    )
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions (< 2 minutes)")
+    bench.add_argument("--device", default="cpu", help="cpu, emulated, cuda or cuda:N")
+    bench.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    bench.set_defaults(run=_bench)
 
     args = parser.parse_args(argv)
     status: int = args.run(args)

@@ -172,8 +172,13 @@ def _train(
     return {"losses": losses, "accuracies": accuracies}
 
 
-def run_demo(config: DemoConfig, *, verbose: bool = True) -> dict[str, Any]:
-    """Run both allocation schemes and print the comparison; returns every figure."""
+def run_demo(
+    config: DemoConfig, *, verbose: bool = True, plot: str | None = None
+) -> dict[str, Any]:
+    """Run both allocation schemes and print the comparison; returns every figure.
+
+    With ``plot``, the shared pool records its memory timeline and writes it there as a PNG.
+    """
     say = print if verbose else (lambda *a, **k: None)
     started = time.perf_counter()
     say(
@@ -189,7 +194,7 @@ def run_demo(config: DemoConfig, *, verbose: bool = True) -> dict[str, Any]:
         eval_pool.stats()["device_reserved_bytes"],
     )
     say("\n[2/2] one shared pool: the eval net reuses the train net's buffers by name")
-    pool = BufferPool(config.device)
+    pool = BufferPool(config.device, timeline=plot is not None)
     shared = _train(config, pool, pool, verbose)
     shared_total = pool.stats()["device_reserved_bytes"]
     # What each phase made the pool grow by, device side (host staging is counted apart).
@@ -216,6 +221,8 @@ def run_demo(config: DemoConfig, *, verbose: bool = True) -> dict[str, Any]:
         "(target: at most 5%)"
     )
     say("\n" + pool.report())
+    if plot is not None:
+        say(f"memory timeline written to {pool.plot_timeline(plot)}")
     elapsed = time.perf_counter() - started
     say(f"\nloss {shared['losses'][0]:.4f} -> {shared['losses'][-1]:.4f}; done in {elapsed:.1f} s")
     return {

@@ -19,11 +19,18 @@ class PhaseBook:
     Args:
         ledger: the pool's ledger (reserved bytes and open phases' peaks).
         counters: returns the pool's traffic counters now.
+        on_close: called with the phase's name and peak each time it closes.
     """
 
-    def __init__(self, ledger: Ledger, counters: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        counters: Callable[[], dict[str, int]],
+        on_close: Callable[[str, int], None] | None = None,
+    ) -> None:
         self._ledger = ledger
         self._counters = counters
+        self.on_close = on_close  # hears (phase, peak) each time a phase closes
         self._totals: dict[str, dict[str, int]] = {}
         self._depth: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -67,6 +74,8 @@ class PhaseBook:
                 totals["added_device_bytes"] += device_after - device_before
                 for key in _COUNTERS:
                     totals[key] += after[key] - before[key]
+            if self.on_close is not None:
+                self.on_close(name, peak)
 
     def stats(self) -> dict[str, dict[str, int]]:
         with self._lock:

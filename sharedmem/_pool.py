@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -12,10 +13,12 @@ from ._adaptors import AccountedBackend, LimitedBackend
 from ._backends import Backend, Placement, resolve
 from ._blob import Blob
 from ._devices import DeviceLike
+from ._errors import SharedMemError
 from ._ledger import Ledger
 from ._phases import PhaseBook
 from ._report import biggest_buffers, format_report
 from ._synced import SyncedMemory
+from ._timeline import Sample, Timeline
 from ._validate import ShapeLike, check_name, check_nbytes
 
 __all__ = ["BufferPool"]
@@ -46,6 +49,8 @@ class BufferPool:
         backend: the device-side allocator by name (see ``sm.backend_names``).
         adaptors: callables that wrap a backend in another (features by composition, such as
             fault injection); applied to both sides, first innermost.
+        timeline: record reserved and active bytes each time a phase closes (see
+            ``record_timeline``).
 
     Example::
 
@@ -64,6 +69,7 @@ class BufferPool:
         limit: int | None = None,
         backend: str | None = None,
         adaptors: Sequence[Callable[[Backend], Backend]] = (),
+        timeline: bool = False,
     ) -> None:
         self._base = resolve(device, backend)
         self._limit = None if limit is None else check_nbytes(limit, "limit")
@@ -74,6 +80,8 @@ class BufferPool:
         self._fast_host: dict[str, _Entry] = {}
         self._lock = threading.Lock()  # guards creating names, not using them
         self._phases = PhaseBook(self._ledger, self._counters)
+        self._timeline: Timeline | None = None
+        self.record_timeline(timeline)
         self._counts: dict[str, int] = {}  # named byte counters of layers on top (count())
         host, accel = self._base.host, self._base.accel
         for adapt in adaptors:  # e.g. fault injection, innermost first
@@ -286,6 +294,37 @@ class BufferPool:
         ``grow_copy_bytes``, ``host_to_device_bytes``, ``device_to_host_bytes``), summed over
         every time the phase was open."""
         return self._phases.stats()
+
+    def record_timeline(self, on: bool = True) -> None:
+        """Start (afresh) or stop recording the memory timeline.
+
+        While on, every time a phase closes the pool records reserved, active and peak
+        bytes: open a phase per step (``with pool.phase("train"):``) to get one point per step.
+        """
+        if on:
+            self._timeline = Timeline()
+            self._phases.on_close = self._sample
+        else:
+            self._timeline = None
+            self._phases.on_close = None
+
+    def _sample(self, phase: str, peak: int) -> None:
+        if self._timeline is not None:
+            self._timeline.record(phase, self.stats(), peak)
+
+    @property
+    def timeline(self) -> list[Sample]:
+        """The recorded samples (empty when the timeline is off)."""
+        return [] if self._timeline is None else self._timeline.samples
+
+    def plot_timeline(self, path: str | Path) -> Path:
+        """Write the memory timeline as a PNG (needs matplotlib: ``sharedmem[plot]``)."""
+        if self._timeline is None:
+            raise SharedMemError(
+                "sharedmem: no timeline was recorded; create the pool with timeline=True "
+                "or call pool.record_timeline() before the steps"
+            )
+        return self._timeline.plot(path, f"BufferPool on {self.device}")
 
     def report(self) -> str:
         """A table a person reads: every buffer, biggest first, totals last."""
