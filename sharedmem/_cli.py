@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ._demo import DemoConfig, run_demo
+from ._stress_cli import add_stress_command
 
 __all__ = ["main"]
 
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--eval-batch", type=int, default=DemoConfig.eval_batch)
     demo.add_argument("--seed", type=int, default=DemoConfig.seed)
     demo.set_defaults(run=_demo)
+    add_stress_command(commands)
 
     args = parser.parse_args(argv)
     status: int = args.run(args)
