@@ -24,7 +24,7 @@ from sharedmem._faults import FAULT_KINDS, CorruptingBackend
 from sharedmem._stress import StressConfig, StressResult, run_stress
 from sharedmem._stress._checks import StressFailure
 from sharedmem._stress._exec import Executor, RoundSpec
-from sharedmem._stress._ops import DTYPES, KINDS, Op, describe
+from sharedmem._stress._ops import DTYPES, KINDS, WHOLE, Op, describe
 from sharedmem._stress._shrink import shrink
 
 SUMMARY = re.compile(r"^stress: (\d+) verified ops, (\d+) mismatches, seed (\d+), device (\S+)$")
@@ -87,9 +87,7 @@ def machine_for(device: str, backend: str) -> type[RuleBasedStateMachine]:
             fits = max(memory.host_capacity, memory.device_capacity)
             nbytes = min(MAX_BYTES, max(self.ex.model.blobs[blob].nbytes * factor, fits + 1))
             self.run(Op("reshape", blob, shape=(nbytes,)))
-            self.run(
-                Op("write", blob, False, side, stop=MAX_BYTES, offset=nbytes % 4096, fault=fault)
-            )
+            self.run(Op("write", blob, False, side, stop=WHOLE, offset=nbytes % 4096, fault=fault))
 
         @rule(blob=BLOBS, grad=st.booleans(), side=SIDES, span=RANGES, fault=FAULTS)
         def write(
@@ -121,7 +119,7 @@ def machine_for(device: str, backend: str) -> type[RuleBasedStateMachine]:
         def pool_tensor(
             self, blob: int, side: str, offset: int, fault: tuple[str, int] | None
         ) -> None:
-            self.run(Op("tensor", blob, False, side, stop=MAX_BYTES, offset=offset, fault=fault))
+            self.run(Op("tensor", blob, False, side, stop=WHOLE, offset=offset, fault=fault))
 
         @rule(blob=BLOBS, grad=st.booleans(), side=SIDES, fault=FAULTS)
         def read(self, blob: int, grad: bool, side: str, fault: tuple[str, int] | None) -> None:
@@ -156,7 +154,7 @@ def machine_for(device: str, backend: str) -> type[RuleBasedStateMachine]:
         def grow_past_the_limit(
             self, blob: int, grad: bool, side: str, nbytes: int, fault: tuple[str, int] | None
         ) -> None:
-            op = Op("limit", blob, grad, side, shape=(nbytes,), stop=MAX_BYTES, fault=fault)
+            op = Op("limit", blob, grad, side, shape=(nbytes,), stop=WHOLE, fault=fault)
             self.run(op)
 
         @invariant()

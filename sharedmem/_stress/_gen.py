@@ -15,7 +15,7 @@ import torch
 
 from .._faults import FAULT_KINDS
 from ._model import PoolModel
-from ._ops import DTYPES, Op
+from ._ops import DTYPES, WHOLE, Op
 
 __all__ = ["Generator"]
 
@@ -110,7 +110,7 @@ class Generator:
         rng = self.rng
         offset = rng.randrange(self.noise_span)
         if rng.random() < 0.4:
-            return 0, self.max_bytes, offset  # the whole view, however long a replay sees it
+            return 0, WHOLE, offset
         a, b = rng.randrange(nbytes + 1), rng.randrange(nbytes + 1)
         return min(a, b), max(a, b), offset
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DTYPES", "EXCLUSIVE", "KINDS", "Op", "describe"]
+__all__ = ["DTYPES", "EXCLUSIVE", "KINDS", "WHOLE", "Op", "describe"]
 
 # Element types a blob takes; the runner compares bytes, so any whole-byte dtype will do.
 DTYPES = (torch.uint8, torch.int16, torch.float32, torch.float64, torch.bool, torch.complex64)
@@ -35,6 +35,8 @@ KINDS = (
 )
 # Operations that touch every buffer or the pool's limit: threads run them alone.
 EXCLUSIVE = frozenset({"trim", "pool_release", "limit"})
+# A write's ``stop`` meaning "to the end of the view", however long a replay finds it.
+WHOLE = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +89,8 @@ def _shape(op: Op) -> str:
 def describe(op: Op, names: Sequence[str]) -> str:
     """One line of near-Python that says what ``op`` does."""
     b = names[op.blob]
-    written = f"[{op.start}:{op.stop}] = noise[{op.offset}:]"
+    stop = "" if op.stop >= WHOLE else op.stop
+    written = f"[{op.start}:{stop}] = noise[{op.offset}:]"
     match op.kind:
         case "reshape":
             text = f"{b}.reshape{_shape(op)}"

@@ -38,13 +38,10 @@ class Run:
         rng = np.random.default_rng(config.seed)
         self.noise = rng.integers(0, 256, config.max_bytes + _NOISE_SPAN, dtype=np.uint8)
         self.start = time.monotonic()
-        self.deadline = (
-            self.start + config.seconds
-            if config.seconds is not None
-            else None
-            if config.ops is not None
-            else self.start + 10.0
-        )
+        seconds = config.seconds
+        if seconds is None and config.ops is None:
+            seconds = 10.0  # neither bound given: a short run that still covers a lot
+        self.deadline = None if seconds is None else self.start + seconds
         self.result = StressResult()
         self.tty = err.isatty()
         self.next_progress = self.start + (1.0 if self.tty else 10.0)
@@ -56,9 +53,10 @@ class Run:
         done = self.result.ops
         return (self.config.ops - done) if self.config.ops is not None else 1 << 62
 
-    def progress(self, done: int, force: bool = False) -> None:
+    def progress(self, done: int) -> None:
+        """The progress line, at most once a second on a terminal, every 10 s otherwise."""
         now = time.monotonic()
-        if now < self.next_progress and not force:
+        if now < self.next_progress:
             return
         self.next_progress = now + (1.0 if self.tty else 10.0)
         elapsed = now - self.start
