@@ -8,6 +8,7 @@ to ``max_bytes``.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -132,7 +133,7 @@ class Generator:
                 # Larger than the blob is now, so that the access usually needs to grow.
                 n = max(model.nbytes, self.nbytes(model.memory(grad).written)) + 1
                 shape, dtype = self.shape(min(n * rng.choice((1, 2, 4)), self.max_bytes))
-                start, stop, offset = self._range(self.max_bytes)
+                start, stop, offset = self._range(math.prod(shape) * dtype.itemsize)
                 return Op(kind, blob, grad, side, 0, shape, dtype, start, stop, offset, fault)
             case "write" | "tensor":
                 start, stop, offset = self._range(model.nbytes)
