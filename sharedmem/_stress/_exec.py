@@ -316,7 +316,7 @@ class Executor:
         memory, mm = self._pair(op)
         size, before, reserved = memory.size, _caps(memory), memory.reserved_bytes
         ok, freed = self._guard(op, memory, memory.shrink_to_fit)
-        mm.written = min(mm.written, size)  # dropped as asked, even where it failed midway
+        mm.truncate(size)  # dropped as asked, even where it failed midway
         if ok:
             placement = memory.placement
             grains = (placement.host.granularity, placement.device_backend.granularity)
@@ -356,7 +356,7 @@ class Executor:
         reserved = self.pool._ledger.total
         ok, freed = self._guard(op, None, self.pool.trim)
         for _, mm, size in pairs:
-            mm.written = min(mm.written, size)
+            mm.truncate(size)
         if ok and freed != reserved - self.pool._ledger.total:
             raise StressFailure("ledger", f"trim returned {freed:,} but the ledger says otherwise")
 

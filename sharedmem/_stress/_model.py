@@ -5,7 +5,9 @@ largest size ever written). A write intent over ``size`` bytes reaches ``size`` 
 caller writes fewer: the memory keeps every byte of a view it handed out for writing, so the
 model adopts the bytes it had not seen from that view, and from then on holds the memory to
 them. ``shrink_to_fit`` drops what lies beyond the size; ``release`` drops everything. Blobs
-that share a memory share one ``MemoryModel``.
+that share a memory share one ``MemoryModel``. The logical size is only a number the caller
+sets: the model takes it from the memory where a shrink needs it, and the executor checks after
+every access that the memory's size is the blob's.
 
 The model knows nothing of sides, heads, blocks or capacities: it says what any read must
 return, and the executor holds the pool to that.
@@ -20,15 +22,14 @@ __all__ = ["BlobModel", "MemoryModel", "PoolModel"]
 
 
 class MemoryModel:
-    """The bytes one memory must keep: ``buf[:written]``, and the memory's logical size."""
+    """The bytes one memory must keep: ``buf[:written]``."""
 
-    __slots__ = ("buf", "size", "written")
+    __slots__ = ("buf", "written")
 
     def __init__(self, max_bytes: int) -> None:
         # np.empty does not touch its pages: a model of a small memory costs what it holds.
         self.buf = np.empty(max_bytes, dtype=np.uint8)
         self.written = 0
-        self.size = 0
 
     @property
     def content(self) -> np.ndarray:
@@ -45,8 +46,9 @@ class MemoryModel:
     def write(self, start: int, data: np.ndarray) -> None:
         self.buf[start : start + len(data)] = data
 
-    def shrink_to_fit(self) -> None:
-        self.written = min(self.written, self.size)
+    def truncate(self, size: int) -> None:
+        """``shrink_to_fit`` at ``size``: what lies beyond it is dropped."""
+        self.written = min(self.written, size)
 
     def release(self) -> None:
         self.written = 0
@@ -68,10 +70,8 @@ class BlobModel:
         return self.grad if grad else self.data
 
     def reshape(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Reshape: the blob's size becomes the size of both its memories (O(1))."""
         self.shape, self.dtype = shape, dtype
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        self.data.size = self.grad.size = self.nbytes
 
 
 class PoolModel:
