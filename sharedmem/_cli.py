@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ._demo import DemoConfig, run_demo
+from ._stress_cli import add_stress_command
 
 __all__ = ["main"]
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=DemoConfig.seed)
     demo.add_argument("--plot", metavar="PATH", help="write the pool's memory timeline as a PNG")
     demo.set_defaults(run=_demo)
+    add_stress_command(commands)
 
     bench = commands.add_parser(
         "bench", help="measure every target of the design against its PyTorch baseline"

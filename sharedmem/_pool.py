@@ -24,8 +24,10 @@ from ._validate import ShapeLike, check_name, check_nbytes
 __all__ = ["BufferPool"]
 
 # What the fast path remembers per name: the shape and dtype it was asked for, the memory
-# and its version stamp when the view was made, and the view.
-_Entry = tuple[object, torch.dtype, SyncedMemory, int, torch.Tensor]
+# and its version stamp when the view was made, the view, and the blob. The blob is checked
+# to still use that memory: share_data switches a name to another memory without changing
+# either memory's stamp.
+_Entry = tuple[object, torch.dtype, SyncedMemory, int, torch.Tensor, Blob]
 
 
 class BufferPool:
@@ -163,6 +165,7 @@ class BufferPool:
             and entry[0] == shape
             and entry[1] is dtype
             and entry[2].version == entry[3]
+            and entry[5]._data is entry[2]  # not since left by share_data
         ):
             return entry[4].detach()
         return self._acquire(self._fast, name, shape, dtype, Blob.mutable_data)
@@ -177,6 +180,7 @@ class BufferPool:
             and entry[0] == shape
             and entry[1] is dtype
             and entry[2].version == entry[3]
+            and entry[5]._data is entry[2]
         ):
             return entry[4].detach()
         return self._acquire(self._fast_host, name, shape, dtype, Blob.mutable_host_data)
@@ -196,7 +200,7 @@ class BufferPool:
         key = shape if isinstance(shape, (tuple, int)) else blob.shape
         with memory._lock:  # the view and its stamp must describe the same state
             view = access(blob)
-            cache[name] = (key, dtype, memory, memory.version, view)
+            cache[name] = (key, dtype, memory, memory.version, view, blob)
         if blob.nbytes > self._high_water.get(name, 0):
             self._high_water[name] = blob.nbytes
         return view.detach()

@@ -261,14 +261,22 @@ class SyncedMemory:
     def shrink_to_fit(self) -> int:
         """Shrink both sides to the current size; returns the bytes given back.
 
-        Content below the size survives; bytes beyond it are dropped for good.
+        Content below the size survives; bytes beyond it are dropped for good. If shrinking a
+        side fails (a moving backend allocates the smaller block), the error propagates with
+        every byte below the size kept; a side shrunk before the failure stays shrunk.
         """
         with self._lock:
-            freed = sum(side.shrink(self._size) for side in self._sides())
+            # Drop the tail before any side gives bytes back: a side that shrinks and then sees
+            # the other side's shrink fail no longer holds the tail, so no mark may still
+            # promise it (the head side would claim bytes it lost, and the next sync would
+            # copy from a side that lacks them).
             self._written = min(self._written, self._size)
-            if self._host.block is None and self._device.block is None:
-                self._head = Head.UNINITIALIZED
-            self.version = next(_stamps)
+            try:
+                freed = sum(side.shrink(self._size) for side in self._sides())
+            finally:
+                if self._host.block is None and self._device.block is None:
+                    self._head = Head.UNINITIALIZED
+                self.version = next(_stamps)  # a block may have moved even if one side failed
             return freed
 
     def release(self) -> int:

@@ -390,3 +390,21 @@ def test_adaptors_wrap_both_sides_innermost_first() -> None:
     pool.tensor("y", (10,))
     assert calls == ["outer", "inner", "outer", "inner"]
     assert pool.stats()["reserved_bytes"] == 2 * 4096  # accounted around the adaptors
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_fast_path_follows_a_name_to_the_memory_it_now_shares(device: str) -> None:
+    # Regression (found by the stress runner): share_data switches a name to another memory
+    # without changing either memory's stamp, and pool.tensor / host_tensor kept handing out
+    # views of the memory the name had left, so writes went where no reader looked.
+    pool = sm.BufferPool(device)
+    pool.tensor("x", (4,), torch.uint8).fill_(1)
+    pool.host_tensor("x", (4,), torch.uint8)
+    y = pool.blob("y", (4,), torch.uint8)
+    y.mutable_data().fill_(2)
+    pool.blob("x").share_data(y)
+    assert pool.tensor("x", (4,), torch.uint8).tolist() == [2, 2, 2, 2]
+    pool.tensor("x", (4,), torch.uint8).fill_(3)
+    assert y.data().tolist() == [3, 3, 3, 3]
+    pool.host_tensor("x", (4,), torch.uint8).fill_(4)
+    assert y.data().tolist() == [4, 4, 4, 4]
