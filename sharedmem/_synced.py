@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+import weakref
 
 import torch
 
@@ -33,6 +34,11 @@ __all__ = ["Head", "SyncedMemory"]
 # (next() on a count is atomic under the GIL), so a cache that recorded a stamp can tell that
 # anything at all happened since.
 _stamps = itertools.count(1)
+
+
+def _free_sides(sides: tuple[Side, ...]) -> None:
+    for side in sides:
+        side.free()
 
 
 class Head(enum.Enum):
@@ -99,6 +105,10 @@ class SyncedMemory:
         self.grow_copy_bytes = 0
         self.host_to_device_bytes = 0
         self.device_to_host_bytes = 0
+        # A memory nobody references any more gives its blocks back (and so leaves a pool's
+        # accounting), e.g. the memory a blob dropped for share_data. Not at interpreter exit:
+        # the backends may be gone by then, and the process frees everything anyway.
+        weakref.finalize(self, _free_sides, self._sides()).atexit = False
 
     # ---- queries -----------------------------------------------------------------------
 
@@ -297,17 +307,7 @@ class SyncedMemory:
         The host first takes every byte only the device holds. On ``cpu`` there is no separate
         device memory and this returns 0.
         """
-        if self._device is self._host:
-            return 0
-        with self._lock:
-            if self._device.block is None:
-                return 0
-            if self._head is Head.AT_DEVICE:  # some newest bytes live only on the device
-                self._reserve(self._host, self._written)
-                self._fill(self._host, self._written)
-            self._head = Head.AT_HOST
-            self.version = next(_stamps)
-            return self._device.free()
+        return self._release_side(self._device, Head.AT_DEVICE, Head.AT_HOST)
 
     def release_host(self) -> int:
         """Free the host side without losing a byte; returns the bytes given back.
@@ -315,17 +315,21 @@ class SyncedMemory:
         The device first takes every byte only the host holds. On ``cpu`` there is no separate
         host memory to drop and this returns 0.
         """
+        return self._release_side(self._host, Head.AT_HOST, Head.AT_DEVICE)
+
+    def _release_side(self, side: Side, only_here: Head, after: Head) -> int:
         if self._device is self._host:
             return 0
         with self._lock:
-            if self._host.block is None:
+            if side.block is None:
                 return 0
-            if self._head is Head.AT_HOST:  # some newest bytes live only on the host
-                self._reserve(self._device, self._written)
-                self._fill(self._device, self._written)
-            self._head = Head.AT_DEVICE
+            other = self._host if side is self._device else self._device
+            if self._head is only_here:  # some newest bytes live only on this side
+                self._reserve(other, self._written)
+                self._fill(other, self._written)
+            self._head = after
             self.version = next(_stamps)
-            return self._host.free()
+            return side.free()
 
     # ---- the state machine -----------------------------------------------------------------
 

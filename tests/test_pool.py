@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import sys
 import threading
@@ -408,3 +409,15 @@ def test_the_fast_path_follows_a_name_to_the_memory_it_now_shares(device: str) -
     assert y.data().tolist() == [3, 3, 3, 3]
     pool.host_tensor("x", (4,), torch.uint8).fill_(4)
     assert y.data().tolist() == [4, 4, 4, 4]
+
+
+def test_a_memory_a_blob_dropped_for_share_data_leaves_the_accounting() -> None:
+    pool = sm.BufferPool("emulated")
+    pool.tensor("a", (MiB,))  # 4 MiB
+    pool.tensor("b", (1000,))
+    before = pool.stats()["device_reserved_bytes"]
+    pool.blob("a").share_data(pool.blob("b"))  # a's 4 MiB memory is no one's now
+    pool.tensor("a", (1000,))  # (the fast path remembered the old memory until now)
+    gc.collect()
+    assert pool.stats()["device_reserved_bytes"] == before - 4 * MiB
+    assert pool.release() == 4096 and pool.stats()["reserved_bytes"] == 0
