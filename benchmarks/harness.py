@@ -96,6 +96,8 @@ def _fmt(value: float, unit: str) -> str:
                 return f"{value / scale:.2f} {suffix}"
     if unit == "bytes" or (unit == "" and float(value).is_integer()):
         return f"{int(value):,}"
+    if abs(value) >= 1000:  # large rates read better whole
+        return f"{value:,.0f} {unit}".strip()
     return f"{value:,.2f} {unit}".strip()
 
 

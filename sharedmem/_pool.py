@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -23,11 +25,19 @@ from ._validate import ShapeLike, check_name, check_nbytes
 
 __all__ = ["BufferPool"]
 
+_T = TypeVar("_T")
+
 # What the fast path remembers per name: the shape and dtype it was asked for, the memory
 # and its version stamp when the view was made, the view, and the blob. The blob is checked
 # to still use that memory: share_data switches a name to another memory without changing
 # either memory's stamp.
 _Entry = tuple[object, torch.dtype, SyncedMemory, int, torch.Tensor, Blob]
+
+
+def _call(method: weakref.WeakMethod[Callable[..., _T]], *args: object) -> _T:
+    bound = method()
+    assert bound is not None, "the pool is gone"  # only the pool's own parts call this
+    return bound(*args)
 
 
 class BufferPool:
@@ -81,7 +91,10 @@ class BufferPool:
         self._fast: dict[str, _Entry] = {}
         self._fast_host: dict[str, _Entry] = {}
         self._lock = threading.Lock()  # guards creating names, not using them
-        self._phases = PhaseBook(self._ledger, self._counters)
+        # Weak method references: no reference cycle through the phase book, so a pool that
+        # goes out of scope frees its memory at once, not at the next cyclic collection.
+        counters = weakref.WeakMethod(self._counters)
+        self._phases = PhaseBook(self._ledger, lambda: _call(counters))
         self._timeline: Timeline | None = None
         self.record_timeline(timeline)
         self._counts: dict[str, int] = {}  # named byte counters of layers on top (count())
@@ -121,9 +134,19 @@ class BufferPool:
     def _placement(self, name: str) -> Placement:
         # Each name gets adaptors that know it, so an out-of-memory error can name the buffer.
         limited = self._host if self._accel is None else self._accel
-        guarded = LimitedBackend(
-            limited, self._ledger, lambda: self._limit, self._explain, name, self.device
-        )
+        # The backends must not keep the pool alive: a memory frees its blocks when it is
+        # collected (SyncedMemory's finalizer holds its sides, and so these callbacks).
+        pool = weakref.ref(self)
+
+        def limit() -> int | None:
+            alive = pool()
+            return None if alive is None else alive._limit
+
+        def explain(label: str, allocator_failed: bool) -> str:
+            alive = pool()
+            return "" if alive is None else alive._explain(label, allocator_failed)
+
+        guarded = LimitedBackend(limited, self._ledger, limit, explain, name, self.device)
         if self._accel is None:
             return Placement(self.device, guarded, None)
         return Placement(self.device, self._host, guarded)
@@ -307,7 +330,8 @@ class BufferPool:
         """
         if on:
             self._timeline = Timeline()
-            self._phases.on_close = self._sample
+            sample = weakref.WeakMethod(self._sample)
+            self._phases.on_close = lambda phase, peak: _call(sample, phase, peak)
         else:
             self._timeline = None
             self._phases.on_close = None

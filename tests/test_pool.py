@@ -6,6 +6,7 @@ import gc
 import pickle
 import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -421,3 +422,19 @@ def test_a_memory_a_blob_dropped_for_share_data_leaves_the_accounting() -> None:
     gc.collect()
     assert pool.stats()["device_reserved_bytes"] == before - 4 * MiB
     assert pool.release() == 4096 and pool.stats()["reserved_bytes"] == 0
+
+
+def test_a_dropped_pool_frees_its_memory_without_waiting_for_the_collector() -> None:
+    # Each block reserves a large address range; a pool kept alive by a reference cycle until
+    # the next cyclic collection could exhaust the address space of a loop that makes pools.
+    gc.disable()
+    try:
+        pool = sm.BufferPool("emulated", timeline=True)
+        with pool.phase("train"):
+            pool.tensor("x", (1000,))
+        pool.set_limit(1 << 30)
+        memory = weakref.ref(pool.blob("x").data_memory)
+        del pool
+        assert memory() is None
+    finally:
+        gc.enable()

@@ -3,6 +3,7 @@ recording a failure with the shortest sequence that still fails."""
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 import traceback
@@ -32,6 +33,7 @@ class Run:
     def __init__(self, config: StressConfig, err: TextIO) -> None:
         self.config = config
         self.err = err
+        self.executors = 0
         device = normalize_device(config.device)
         self.device = device
         self.backends = (config.backend,) if config.backend else backend_names(device)
@@ -75,6 +77,12 @@ class Run:
         return RoundSpec(self.device, backend, names, c.max_bytes, c.limit)
 
     def executor(self, spec: RoundSpec) -> Executor:
+        # An executor and its pool form reference cycles, so finished rounds wait for the
+        # cyclic collector, each holding a large reserved address range per buffer side;
+        # collect now and then so that a long run never runs short of address space.
+        self.executors += 1
+        if self.executors % 16 == 0:
+            gc.collect()
         extra = (CorruptingBackend,) if self.config.self_check else ()
         return Executor(spec, self.noise, (*self.config.adaptors, *extra))
 
