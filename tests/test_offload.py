@@ -484,3 +484,24 @@ def test_cuda_forward_and_backward_on_a_side_stream_are_exact() -> None:
         loss.backward()
     torch.cuda.synchronize()
     assert_same_grads(plain, pooled, "side stream")
+
+
+def test_the_pooled_executor_runs_inside_save_on_pool_which_does_not_apply_to_it() -> None:
+    # The executor computes gradients inside its traced graph, with no autograd saved tensors:
+    # save_on_pool leaves it alone (nothing offloaded) and the results are unchanged.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 4)
+    ).double()
+    x = torch.randn(128, 64, dtype=torch.float64)
+    y = torch.randint(0, 4, (128,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    eager = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    pool = sm.BufferPool("emulated")
+    step = sm.pooled_train_step(model, torch.nn.functional.cross_entropy, pool=pool)
+    with sm.save_on_pool(pool, min_bytes=1024):
+        step(x, y)
+    for p, expected in zip(model.parameters(), eager, strict=True):
+        torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=0)
+    assert pool.stats().get("offloaded_bytes", 0) == 0
