@@ -44,6 +44,9 @@ class BackendAdaptor(Backend):
     def _free(self, block: Block) -> None:
         self.upstream.free(block)
 
+    def forget(self, block: Block) -> None:
+        self.upstream.forget(block)
+
     def _copy(
         self,
         dst: torch.Tensor,
@@ -87,6 +90,10 @@ class AccountedBackend(BackendAdaptor):
         super()._free(block)
         self.ledger.change(self.side, -block.capacity)
 
+    def forget(self, block: Block) -> None:
+        super().forget(block)
+        self.ledger.change(self.side, -block.capacity)
+
 
 class LimitedBackend(BackendAdaptor):
     """Refuses growth past ``limit()`` reserved bytes; names the buffer when memory runs out.
@@ -128,11 +135,12 @@ class LimitedBackend(BackendAdaptor):
             try:
                 yield
             except OutOfMemoryError as failure:
-                if failure.detail:
-                    raise
-                detail = self.explain(self.label, True)
+                # The allocator itself ran out: keep what it said, add the pool's side.
+                detail = "\n".join(
+                    part for part in (failure.detail, self.explain(self.label, True)) if part
+                )
                 raise OutOfMemoryError(
-                    failure.requested, failure.reserved, failure.limit, failure.device, detail
+                    failure.requested, reserved, failure.limit, self.device_name, detail
                 ) from None
 
     def _allocate(self, nbytes: int) -> Block:

@@ -244,11 +244,19 @@ class BufferPool:
 
     def trim(self) -> int:
         """Shrink every buffer to its current size; returns the bytes given back."""
+        self._forget_views()
         return sum(memory.shrink_to_fit() for memory in self._memories())
 
     def release(self) -> int:
         """Free every buffer's memory (names stay, content goes); returns the bytes freed."""
+        self._forget_views()
         return sum(memory.release() for memory in self._memories())
+
+    def _forget_views(self) -> None:
+        # The fast path's cached views would keep old blocks of moving backends (and of CUDA
+        # backends that free with the last view) alive after they were given back.
+        self._fast.clear()
+        self._fast_host.clear()
 
     def count_unpooled(self, nbytes: int) -> None:
         """Record bytes a layer on top of the pool had to allocate outside it."""

@@ -27,7 +27,9 @@ class Side:
         return 0 if self.block is None else self.block.capacity
 
     def view(self, size: int) -> torch.Tensor:
-        return self.backend.empty() if self.block is None else self.block.tensor[:size]
+        if self.block is None:  # a fresh alias: nobody's resize_ can change the next caller's
+            return self.backend.empty()[:0]
+        return self.block.tensor[:size]
 
     def settle(self) -> None:
         """Block until no copy touches this side's bytes."""

@@ -36,9 +36,11 @@ __all__ = ["Head", "SyncedMemory"]
 _stamps = itertools.count(1)
 
 
-def _free_sides(sides: tuple[Side, ...]) -> None:
+def _forget_sides(sides: tuple[Side, ...]) -> None:
     for side in sides:
-        side.free()
+        if side.block is not None:
+            side.backend.forget(side.block)
+            side.block = None
 
 
 class Head(enum.Enum):
@@ -105,10 +107,10 @@ class SyncedMemory:
         self.grow_copy_bytes = 0
         self.host_to_device_bytes = 0
         self.device_to_host_bytes = 0
-        # A memory nobody references any more gives its blocks back (and so leaves a pool's
-        # accounting), e.g. the memory a blob dropped for share_data. Not at interpreter exit:
-        # the backends may be gone by then, and the process frees everything anyway.
-        weakref.finalize(self, _free_sides, self._sides()).atexit = False
+        # A memory nobody references any more leaves a pool's accounting (e.g. the memory a
+        # blob dropped for share_data). Its bytes stay intact for views still in use and go
+        # back with the last of them. Not at interpreter exit: the backends may be gone.
+        weakref.finalize(self, _forget_sides, self._sides()).atexit = False
 
     # ---- queries -----------------------------------------------------------------------
 

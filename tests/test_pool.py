@@ -438,3 +438,45 @@ def test_a_dropped_pool_frees_its_memory_without_waiting_for_the_collector() -> 
         assert memory() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_views_outlive_the_pool_and_blobs_that_made_them(device: str) -> None:
+    # Nothing is freed implicitly: a collected memory leaves the accounting, not its bytes.
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        pool = sm.BufferPool(device)
+        out = pool.tensor("out", tuple(x.shape))
+        return torch.mul(x, 2, out=out)
+
+    assert forward(torch.ones(3)).tolist() == [2.0] * 3
+    a, b = sm.Blob((4,), device=device), sm.Blob((4,), device=device)
+    view = b.mutable_data()
+    view.fill_(5)
+    b.share_data(a)  # b's old memory is nobody's now
+    gc.collect()
+    assert view.tolist() == [5.0] * 4
+
+
+def test_release_and_trim_do_not_keep_old_blocks_alive_through_the_fast_path() -> None:
+    pool = sm.BufferPool("emulated", backend="pageable")
+    pool.tensor("x", (MiB,))  # a moving backend: the block goes with its last reference
+    block = weakref.ref(pool.blob("x").data_memory._device.block.tensor)  # type: ignore[union-attr]
+    assert pool.release() == 4 * MiB
+    assert block() is None
+    pool.tensor("x", (MiB,))
+    pool.tensor("x", (10,))
+    block = weakref.ref(pool.blob("x").data_memory._device.block.tensor)  # type: ignore[union-attr]
+    assert pool.trim() > 0
+    assert block() is None
+
+
+@pytest.mark.parametrize("backend", ["reserved", "pageable"])
+def test_an_allocator_failure_is_an_out_of_memory_error_naming_the_buffer(backend: str) -> None:
+    pool = sm.BufferPool("cpu", backend=backend)
+    pool.tensor("small", (10,)).fill_(1.0)
+    with pytest.raises(sm.OutOfMemoryError) as caught:
+        pool.tensor("huge", (1 << 50,), torch.uint8)  # a PiB: no allocator has it
+    text = str(caught.value)
+    assert caught.value.limit is None and caught.value.requested >= 1 << 50
+    assert "'huge'" in text and "'small'" in text and "the allocator said" in text
+    assert pool.tensor("small", (10,)).tolist() == [1.0] * 10

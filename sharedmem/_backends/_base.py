@@ -117,7 +117,15 @@ class Backend(ABC):
         return self._shrink(block, target, keep)
 
     def free(self, block: Block) -> None:
+        """Give ``block`` back now (``release``, ``shrink_to_fit``); views of it may read zeros."""
         self._free(block)
+
+    def forget(self, block: Block) -> None:  # noqa: B027 (deliberately nothing by default)
+        """The memory that held ``block`` was collected; views of it may still be in use.
+
+        Nothing is zeroed or unmapped here: every backend's storage goes back to the system
+        with its last view (an mmap, a CUDA owner, an allocator tensor). Adaptors count it.
+        """
 
     # Copies between the host side and this (device) side. Host backends never get these
     # calls. A copy may run on after the call returns; it then returns a Fence, and the memory

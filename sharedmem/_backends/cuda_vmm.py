@@ -1,13 +1,13 @@
 """Device memory through CUDA virtual memory management: grows in place, copies nothing.
 
 Each block reserves a large virtual address range once (``cuMemAddressReserve``; by default
-as many bytes as the device has) and backs only its capacity with physical memory, in chunks
-of the device's recommended granularity (``cuMemCreate`` + ``cuMemMap``, then one
-``cuMemSetAccess`` over the new part). Growing maps more chunks behind the same address: no
-byte is copied, every view taken before stays valid, and the physical peak of a growth is the
-new capacity, not old + new. A growth beyond the reservation moves the block to a larger
-reservation and copies, like a moving backend; with the default reservation that means asking
-for more than the device has, which fails anyway.
+the device's memory capped at 32 GiB, or twice the request if more) and backs only its
+capacity with physical memory, in chunks of the device's recommended granularity
+(``cuMemCreate`` + ``cuMemMap``, then one ``cuMemSetAccess`` over the new part). Growing
+maps more chunks behind the same address: no byte is copied, every view taken before stays
+valid, and the physical peak of a growth is the new capacity, not old + new. A growth beyond
+the reservation moves the block to a reservation twice its new size and copies, like a moving
+backend: rare with the default, and O(log n) times for a buffer that keeps growing.
 
 Shrinking synchronizes the device (unmapping does not wait for work in flight, unlike
 ``cudaFree``) and unmaps and releases the chunks beyond the new capacity. The block's tensor
@@ -145,8 +145,9 @@ class VmmBackend(CudaBackend):
 
     Args:
         device: ``"cuda:N"``.
-        reservation: bytes of address space each block reserves (default: the device's
-            memory). A growth beyond it moves the block to a larger reservation and copies.
+        reservation: bytes of address space a block reserves at least (default: the device's
+            memory, at most 32 GiB; twice the request when that is more). A growth beyond it
+            moves the block to a larger reservation and copies.
         chunk: bytes mapped at a time, rounded up to the recommended granularity (default:
             the granularity); capacities are multiples of it.
 
@@ -175,15 +176,19 @@ class VmmBackend(CudaBackend):
             )
         super().__init__(device, granularity=round_up(max(chunk or granule, granule), granule))
         self.alignment = granule
+        # At least this much address space per block, twice the request when that is more:
+        # the device's memory capped at 32 GiB, so thousands of buffers fit in the address
+        # space that unified addressing shares with the host.
         total = torch.cuda.get_device_properties(index).total_memory
-        self.reservation = self.round(reservation or total)
+        self.reservation = self.round(reservation or min(total, 32 << 30))
         self.meter = Meter()
 
     def _reserve(self, nbytes: int) -> _Reservation:
         driver = bindings().driver
         error: Any = None
         with on_device(self.index):
-            for size in reservation_sizes(self.reservation, nbytes, self.granularity):
+            wanted = max(self.reservation, self.round(2 * nbytes))
+            for size in reservation_sizes(wanted, nbytes, self.granularity):
                 error, address = driver.cuMemAddressReserve(size, self.alignment, 0, 0)
                 if int(error) == 0:
                     return _Reservation(self.index, int(address), size, self)

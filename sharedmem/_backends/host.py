@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from .._errors import OutOfMemoryError
 from ._base import Backend, Block, MovingBackend, round_up
 
 __all__ = ["PageableBackend", "ReservedBackend", "default_reservation"]
@@ -32,16 +33,30 @@ _GIB = 1 << 30
 
 
 def default_reservation() -> int:
-    """Bytes of address space one host block reserves: the machine's physical memory.
+    """Bytes of address space a new host block reserves at least: 4 GiB, or the machine's
+    physical memory where that is less (a block can never commit more than that).
 
-    A block can never commit more than that, so within its reservation it never moves. The
-    address space (128 TiB on x86-64) holds thousands of such reservations.
+    Within its reservation a block grows in place; a block asked for more reserves twice its
+    size, and a growth past the reservation moves it once to a range twice as large. The cap
+    keeps the address space (128 TiB on x86-64) good for tens of thousands of blocks, also on
+    machines with terabytes of memory.
     """
     try:
         physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        physical = 16 * _GIB
-    return round_up(max(physical, _GIB), _GIB)
+        physical = 4 * _GIB
+    return round_up(min(max(physical, _GIB), 4 * _GIB), PAGE)
+
+
+def _empty(nbytes: int, device: str) -> torch.Tensor:
+    """``nbytes`` of pageable memory; an allocator failure becomes ``OutOfMemoryError``."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as error:
+        if not isinstance(error, MemoryError) and "alloc" not in str(error).lower():
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise OutOfMemoryError(nbytes, 0, None, device, f"the allocator said: {first}") from None
 
 
 def _give_back(block: Block, start: int, end: int) -> None:
@@ -60,15 +75,16 @@ class PageableBackend(MovingBackend):
         super().__init__(device=device, granularity=64)
 
     def _allocate(self, nbytes: int) -> Block:
-        return Block(torch.empty(nbytes, dtype=torch.uint8), nbytes)
+        return Block(_empty(nbytes, self.device), nbytes)
 
 
 class ReservedBackend(Backend):
     """Host memory in a reserved address range: grows in place, gives pages back on shrink.
 
     Args:
-        reservation: bytes of address space each block reserves (default: physical memory).
-            A growth beyond it moves the block to a larger reservation and copies.
+        reservation: bytes of address space a new block reserves at least (default:
+            ``default_reservation()``); a block reserves twice its size when that is more. A
+            growth beyond its reservation moves the block to a larger one and copies.
     """
 
     kind = "reserved"
@@ -79,20 +95,22 @@ class ReservedBackend(Backend):
         self.reservation = round_up(reservation or default_reservation(), PAGE)
 
     def _map(self, nbytes: int) -> mmap.mmap | None:
-        # Ask for the full reservation, then less: under strict overcommit or in a crowded
-        # address space a smaller range may still fit. None means "use pageable memory".
-        size = max(self.reservation, nbytes)
-        while size >= nbytes:
+        # Ask for the full reservation (room to double), then less, down to the request
+        # itself: under strict overcommit or in a crowded address space a smaller range may
+        # still fit. None means "use pageable memory".
+        size = max(self.reservation, 2 * nbytes)
+        while True:
             try:
                 return mmap.mmap(-1, size, flags=_MAP_FLAGS)
             except (OSError, OverflowError, ValueError):
-                size = round_up(size // 2, PAGE) if size > nbytes else 0
-        return None
+                if size <= nbytes:
+                    return None
+                size = max(round_up(size // 2, PAGE), nbytes)
 
     def _allocate(self, nbytes: int) -> Block:
         mapping = self._map(nbytes)
         if mapping is None:
-            return Block(torch.empty(nbytes, dtype=torch.uint8), nbytes)
+            return Block(_empty(nbytes, self.device), nbytes)
         # The tensor holds the mapping alive (buffer export) for as long as any view exists,
         # so a view that outlives a release reads zeroed pages instead of unmapped memory.
         return Block(torch.frombuffer(mapping, dtype=torch.uint8), nbytes, mapping)
@@ -107,7 +125,7 @@ class ReservedBackend(Backend):
 
     def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         if not isinstance(block.handle, mmap.mmap):  # a pageable fallback block
-            new = Block(torch.empty(nbytes, dtype=torch.uint8), nbytes)
+            new = Block(_empty(nbytes, self.device), nbytes)
             new.tensor[:keep].copy_(block.tensor[:keep])
             return new, keep
         _give_back(block, nbytes, block.capacity)
