@@ -28,7 +28,6 @@ class BackendAdaptor(Backend):
         self.stable_address = upstream.stable_address
         self.device = upstream.device
         self.granularity = upstream.granularity
-        self._empty = upstream.empty()
 
     def _allocate(self, nbytes: int) -> Block:
         return self.upstream.allocate(nbytes)

@@ -27,8 +27,8 @@ class Side:
         return 0 if self.block is None else self.block.capacity
 
     def view(self, size: int) -> torch.Tensor:
-        if self.block is None:  # a fresh alias: nobody's resize_ can change the next caller's
-            return self.backend.empty()[:0]
+        if self.block is None:  # a fresh tensor: nobody's resize_ can change the next caller's
+            return torch.empty(0, dtype=torch.uint8, device=self.backend.device)
         return self.block.tensor[:size]
 
     def settle(self) -> None:

@@ -76,17 +76,12 @@ class Backend(ABC):
     def __init__(self, *, device: str, granularity: int) -> None:
         self.device = device
         self.granularity = granularity
-        self._empty = torch.empty(0, dtype=torch.uint8, device=device)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device!r})"
 
     def round(self, nbytes: int) -> int:
         return round_up(nbytes, self.granularity)
-
-    def empty(self) -> torch.Tensor:
-        """A zero-length tensor on this side: the view of a side that holds no bytes."""
-        return self._empty
 
     def allocate(self, nbytes: int) -> Block:
         """A new block of at least ``nbytes`` (> 0) bytes."""
