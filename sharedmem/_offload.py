@@ -169,6 +169,11 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, _unpack)
 
     def __enter__(self) -> None:
+        if self._step is not None and getattr(_active, "hooks", None) is not self:
+            raise SharedMemError(
+                "sharedmem: this save_on_pool object is already in use in another thread; "
+                "give each thread its own (sm.save_on_pool(pool) in the thread)"
+            )
         if getattr(_active, "hooks", None) is not None or self._step is not None:
             raise SharedMemError(
                 "sharedmem: save_on_pool cannot be nested (one is already active in this "

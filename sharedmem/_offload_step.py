@@ -91,9 +91,12 @@ class Slot:
         self.nbytes = memory.size
         self.align = self.start % ALIGN
         # Kept to refuse a tensor changed in place after it was saved, as autograd does
-        # without hooks, and to match later saves of it; weak, so its memory can go.
-        self.origin = weakref.ref(tensor)
-        self.version = tensor._version
+        # without hooks, and to match later saves of it; weak, so its memory can go. A view
+        # shares its base's version counter and the base lives as long as the bytes, while a
+        # saved temporary view (mm saves h.t()) dies at once: so watch the base.
+        watched = tensor if tensor._base is None else tensor._base
+        self.origin = weakref.ref(watched)
+        self.version = watched._version
         self.live = 0  # Saved handles alive
         self.seen_pass = -1  # the backward pass in which seen_count handles were unpacked
         self.seen_count = 0
@@ -123,7 +126,7 @@ class Slot:
         tensor = self.origin()
         if tensor is not None and tensor._version != self.version:
             raise SharedMemError(
-                f"sharedmem: a tensor saved for backward (shape {tuple(tensor.shape)}, "
+                f"sharedmem: a tensor saved for backward (of shape {tuple(tensor.shape)}, "
                 f"{self.dtype}) was modified by an in-place operation after it was saved "
                 f"(version {self.version} -> {tensor._version}). Autograd would refuse this "
                 "without save_on_pool too; clone the tensor before changing it in place."

@@ -505,3 +505,41 @@ def test_the_pooled_executor_runs_inside_save_on_pool_which_does_not_apply_to_it
     for p, expected in zip(model.parameters(), eager, strict=True):
         torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=0)
     assert pool.stats().get("offloaded_bytes", 0) == 0
+
+
+def test_a_saved_temporary_view_changed_in_place_is_refused() -> None:
+    # mm saves the view h.t(), which dies at once; its base h lives and shares its version.
+    w = torch.randn(64, 64, requires_grad=True)
+    z = torch.randn(64, 64, requires_grad=True)
+    with sm.save_on_pool(sm.BufferPool("emulated"), min_bytes=0):
+        h = z.relu() * 1.0
+        out = (h.t() @ w).sum()
+    with torch.no_grad():
+        h.mul_(2)  # plain autograd refuses this too
+    with pytest.raises(sm.SharedMemError, match=r"modified by an in-place operation"):
+        out.backward()
+
+
+def test_one_save_on_pool_object_in_two_threads_says_so() -> None:
+    pool = sm.BufferPool("emulated")
+    shared = sm.save_on_pool(pool, min_bytes=0)
+    inside, done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def hold() -> None:
+        with shared:
+            inside.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    inside.wait(10)
+    try:
+        with shared:
+            pass
+    except sm.SharedMemError as error:
+        errors.append(error)
+    finally:
+        done.set()
+        holder.join()
+    assert len(errors) == 1 and "in use in another thread" in str(errors[0])
