@@ -9,7 +9,7 @@ import torch
 from ._backends import Placement, resolve
 from ._devices import DeviceLike
 from ._synced import SyncedMemory
-from ._validate import ShapeLike, check_dtype, check_shape
+from ._validate import ShapeLike, check_blob_nbytes, check_dtype, check_shape
 
 __all__ = ["Blob"]
 
@@ -61,9 +61,12 @@ class Blob:
     ) -> None:
         self._shape = check_shape(shape)
         self._dtype = check_dtype(dtype)
+        nbytes = check_blob_nbytes(self._shape, self._dtype)
         placement = placement if placement is not None else resolve(device, backend)
         self.name = name
-        nbytes = self.nbytes
+        # Told before this blob takes another blob's memory (a pool refuses foreign memory
+        # and forgets views it cached); may raise to refuse.
+        self.on_share: Callable[[SyncedMemory], None] | None = None
         self._data = SyncedMemory(nbytes, name=name, placement=placement)
         self._grad = SyncedMemory(nbytes, name=f"{name}.grad" if name else "", placement=placement)
 
@@ -90,17 +93,31 @@ class Blob:
 
     def reshape(self, *shape: object) -> Blob:
         """Set the virtual shape (O(1): nothing is allocated until an access needs it)."""
-        self._shape = check_shape(_shape_args(shape))
-        self._data.set_size(self.nbytes)
-        self._grad.set_size(self.nbytes)
-        return self
+        return self.retype(check_shape(_shape_args(shape)), self._dtype)
 
     def astype(self, dtype: torch.dtype) -> Blob:
         """Set the element type (O(1), like ``reshape``); returns the blob."""
-        self._dtype = check_dtype(dtype)
-        self._data.set_size(self.nbytes)
-        self._grad.set_size(self.nbytes)
+        return self.retype(self._shape, check_dtype(dtype))
+
+    def retype(self, shape: ShapeLike, dtype: torch.dtype) -> Blob:
+        """Set shape and element type at once (O(1)); both are checked before either changes."""
+        size = check_shape(shape)
+        kind = check_dtype(dtype)
+        nbytes = check_blob_nbytes(size, kind)
+        self._shape, self._dtype = size, kind
+        self._data.set_size(nbytes)
+        self._grad.set_size(nbytes)
         return self
+
+    def _typing(self) -> tuple[torch.Size, torch.dtype, int, int]:
+        """Shape, dtype and both memories' sizes: what ``_restore_typing`` puts back."""
+        return self._shape, self._dtype, self._data.size, self._grad.size
+
+    def _restore_typing(self, typing: tuple[torch.Size, torch.dtype, int, int]) -> None:
+        # For a caller whose request failed (a refused growth): the blob is as it was.
+        self._shape, self._dtype, data_size, grad_size = typing
+        self._data.set_size(data_size)
+        self._grad.set_size(grad_size)
 
     # ---- memories ------------------------------------------------------------------------
 
@@ -114,20 +131,23 @@ class Blob:
 
     def share_data(self, other: Blob) -> None:
         """Use ``other``'s data memory from now on (shapes and dtypes may differ)."""
-        self._data = self._shared(other, other._data, "share_data")
+        self._data = self._shared(other, "share_data")
 
     def share_grad(self, other: Blob) -> None:
         """Use ``other``'s gradient memory from now on (shapes and dtypes may differ)."""
-        self._grad = self._shared(other, other._grad, "share_grad")
+        self._grad = self._shared(other, "share_grad")
 
-    def _shared(self, other: object, memory: SyncedMemory, verb: str) -> SyncedMemory:
+    def _shared(self, other: object, verb: str) -> SyncedMemory:
         if not isinstance(other, Blob):
             raise TypeError(f"sharedmem: {verb} takes a Blob, got {type(other).__name__}")
+        memory = other._data if verb == "share_data" else other._grad
         if memory.device != self.device:
             raise ValueError(
                 f"sharedmem: {verb} needs blobs on one device, got {self.device!r} and "
                 f"{memory.device!r}"
             )
+        if self.on_share is not None:
+            self.on_share(memory)
         return memory
 
     # ---- views ---------------------------------------------------------------------------

@@ -23,10 +23,11 @@ import weakref
 
 import torch
 
-from ._backends import Fence, Placement, resolve
+from ._backends import Placement, resolve
 from ._devices import DeviceLike
 from ._side import Side
-from ._validate import check_byte_tensor, check_nbytes
+from ._synced_copies import ExternalCopies
+from ._validate import check_nbytes
 
 __all__ = ["Head", "SyncedMemory"]
 
@@ -52,7 +53,7 @@ class Head(enum.Enum):
     SYNCED = "synced"  # both sides hold every newest byte
 
 
-class SyncedMemory:
+class SyncedMemory(ExternalCopies):
     """A grow-only block of bytes with a host side and a device side.
 
     Each side is allocated on its first access and grown only when an access needs more bytes
@@ -231,43 +232,6 @@ class SyncedMemory:
         with self._lock:
             self._to_host(min(self._size, self._written), stream=stream, asynchronous=True)
 
-    def download_async(self, source: torch.Tensor, stream: object = None) -> Fence | None:
-        """Like ``pull_async``, from ``source`` (1-D uint8, ``size`` device bytes outside this
-        memory) into the host side, which becomes the head as after a host write. Returns the
-        copy's fence, or ``None`` once done (always on ``cpu``); keep ``source`` till then."""
-        check_byte_tensor(source, self._size, "source")
-        with self._lock:
-            self._to_host(self._written)  # as mutable_host_data: the head holds every byte
-            self._host.settle()  # a copy still reading these bytes finishes before we write
-            target = self._host.view(self._size)
-            self._wrote(self._host)
-            if self._device is self._host:
-                target.copy_(source)
-                return None
-            backend = self._device.backend
-            fence = backend.download(target, source, stream=stream, asynchronous=True)
-            self._host.fence = fence
-            self.device_to_host_bytes += self._size
-            return fence
-
-    def upload_async(self, target: torch.Tensor, stream: object = None) -> Fence | None:
-        """Like ``push_async``, from the host side into ``target`` (1-D uint8, ``size`` device
-        bytes outside this memory). Returns the fence its reader waits on, or ``None`` once
-        done (always on ``cpu``); host writes and growth wait for the copy."""
-        check_byte_tensor(target, self._size, "target")
-        with self._lock:
-            self._to_host(min(self._size, self._written))
-            self._host.settle()
-            source = self._host.view(self._size)
-            if self._device is self._host:
-                target.copy_(source)
-                return None
-            backend = self._device.backend
-            fence = backend.upload(target, source, stream=stream, asynchronous=True)
-            self._host.fence = fence  # the copy reads the host bytes
-            self.host_to_device_bytes += self._size
-            return fence
-
     # ---- giving memory back ------------------------------------------------------------
 
     def shrink_to_fit(self) -> int:
@@ -341,7 +305,7 @@ class SyncedMemory:
         match self._head:
             case Head.UNINITIALIZED:
                 # First touch: nothing was ever written, so there is nothing to copy.
-                self._head = Head.SYNCED if self._device is self._host else Head.AT_HOST
+                self._set_head(Head.SYNCED if self._device is self._host else Head.AT_HOST)
             case Head.AT_HOST:
                 pass  # the host already holds every newest byte
             case Head.SYNCED:
@@ -349,15 +313,14 @@ class SyncedMemory:
             case Head.AT_DEVICE:
                 self._fill(self._host, upto, stream, asynchronous)
                 if self._host.valid >= self._written:
-                    self._head = Head.SYNCED
-        self.version = next(_stamps)
+                    self._set_head(Head.SYNCED)
 
     def _to_device(self, upto: int, *, stream: object = None, asynchronous: bool = False) -> None:
         """Room on the device for ``size`` bytes, and the newest value of bytes below ``upto``."""
         self._reserve(self._device, max(self._size, upto))
         match self._head:
             case Head.UNINITIALIZED:
-                self._head = Head.AT_DEVICE
+                self._set_head(Head.AT_DEVICE)
             case Head.AT_DEVICE:
                 pass  # the device already holds every newest byte
             case Head.SYNCED:
@@ -365,22 +328,28 @@ class SyncedMemory:
             case Head.AT_HOST:
                 self._fill(self._device, upto, stream, asynchronous)
                 if self._device.valid >= self._written:
-                    self._head = Head.SYNCED
-        self.version = next(_stamps)
+                    self._set_head(Head.SYNCED)
 
     def _wrote(self, side: Side) -> None:
         """Record a write intent on ``side``: it becomes the head for bytes below ``size``."""
         self._written = max(self._written, self._size)
         side.valid = self._written
         if side is self._device is self._host:
-            self._head = Head.SYNCED
+            self._set_head(Head.SYNCED)
             return
         other = self._device if side is self._host else self._host
         if self._size:
             # Stale from byte 0 on. It may still match beyond the size, but the head holds
             # every newest byte, so forgetting that costs at most a copy, never a byte.
             other.valid = 0
-        self._head = Head.AT_HOST if side is self._host else Head.AT_DEVICE
+        self._set_head(Head.AT_HOST if side is self._host else Head.AT_DEVICE)
+
+    def _set_head(self, head: Head) -> None:
+        # A new stamp only when something changed: a read that changes nothing keeps the
+        # views a cache (the pool's fast path) holds valid.
+        if head is not self._head:
+            self._head = head
+            self.version = next(_stamps)
 
     # ---- mechanics -----------------------------------------------------------------------
 
@@ -392,6 +361,7 @@ class SyncedMemory:
         if nbytes > side.capacity:
             self.grow_copy_bytes += side.grow(nbytes)
             self.num_grows += 1
+            self.version = next(_stamps)
 
     def _fill(
         self, dst: Side, upto: int, stream: object = None, asynchronous: bool = False
@@ -415,3 +385,4 @@ class SyncedMemory:
             self.host_to_device_bytes += upto - start
         dst.fence = src.fence = fence
         dst.valid = upto
+        self.version = next(_stamps)

@@ -7,6 +7,7 @@ changes.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from typing import TypeAlias
@@ -14,7 +15,9 @@ from typing import TypeAlias
 import torch
 
 __all__ = [
+    "MAX_NBYTES",
     "ShapeLike",
+    "check_blob_nbytes",
     "check_byte_tensor",
     "check_dtype",
     "check_name",
@@ -23,6 +26,10 @@ __all__ = [
 ]
 
 ShapeLike: TypeAlias = "int | Sequence[int] | torch.Size"
+
+# The largest size we accept (4 EiB): sizes and element counts stay within torch's int64
+# with room for any element size, so no product overflows behind our back.
+MAX_NBYTES = 1 << 62
 
 # Dtypes whose elements are whole bytes and can be viewed from raw uint8 storage. Quantized and
 # sub-byte dtypes carry extra state (scales, bit packing) that a byte buffer cannot hold.
@@ -54,7 +61,7 @@ _SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
 
 def _as_int(value: object, what: str) -> int:
     # bool is an int subclass, but a size of True is always a bug in the caller.
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise TypeError(f"sharedmem: {what} must be an integer, got a bool ({value!r})")
     try:
         return operator.index(value)  # type: ignore[arg-type]
@@ -69,6 +76,8 @@ def check_nbytes(value: object, what: str = "nbytes") -> int:
     n = _as_int(value, what)
     if n < 0:
         raise ValueError(f"sharedmem: {what} must be >= 0, got {n:,}")
+    if n > MAX_NBYTES:
+        raise ValueError(f"sharedmem: {what} must be at most {MAX_NBYTES:,} bytes, got {n:,}")
     return n
 
 
@@ -89,7 +98,18 @@ def check_shape(shape: object) -> torch.Size:
     for i, d in enumerate(dims):
         if d < 0:
             raise ValueError(f"sharedmem: shape dimension {i} must be >= 0, got {tuple(dims)!r}")
+    # In Python ints: torch.Size.numel() wraps around silently past int64.
+    if math.prod(dims) > MAX_NBYTES:
+        raise ValueError(
+            f"sharedmem: shape {tuple(dims)!r} has {math.prod(dims):,} elements, more than the "
+            f"{MAX_NBYTES:,} a buffer can hold"
+        )
     return torch.Size(dims)
+
+
+def check_blob_nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    """The bytes of a ``shape`` x ``dtype`` view, if a buffer can hold them."""
+    return check_nbytes(shape.numel() * dtype.itemsize, f"a {tuple(shape)!r} {dtype} view")
 
 
 def check_dtype(dtype: object) -> torch.dtype:
@@ -106,12 +126,12 @@ def check_dtype(dtype: object) -> torch.dtype:
     return dtype
 
 
-def check_name(name: object) -> str:
-    """Return ``name`` if it is a non-empty string (buffer names in a pool)."""
+def check_name(name: object, what: str = "buffer name") -> str:
+    """Return ``name`` if it is a non-empty string (buffer, phase and counter names)."""
     if not isinstance(name, str):
-        raise TypeError(f"sharedmem: buffer name must be a str, got {type(name).__name__}")
+        raise TypeError(f"sharedmem: {what} must be a str, got {type(name).__name__}")
     if not name:
-        raise ValueError("sharedmem: buffer name must not be empty")
+        raise ValueError(f"sharedmem: {what} must not be empty")
     return name
 
 

@@ -90,8 +90,12 @@ def test_share_refuses_other_devices_and_non_blobs() -> None:
     b = sm.Blob((3,), device="emulated")
     with pytest.raises(ValueError, match=r"^sharedmem: share_data needs blobs on one device"):
         a.share_data(b)
-    with pytest.raises(TypeError, match=r"^sharedmem: share_grad takes a Blob, got Tensor"):
-        a.share_grad(torch.zeros(3))  # type: ignore[arg-type]
+    for other in (torch.zeros(3), None, object()):
+        kind = type(other).__name__
+        for verb in ("share_data", "share_grad"):
+            with pytest.raises(TypeError, match=rf"^sharedmem: {verb} takes a Blob, got {kind}"):
+                getattr(a, verb)(other)
+    assert a.data_memory.device == "cpu" and a.shape == (3,)
 
 
 def test_empty_and_scalar_shapes() -> None:

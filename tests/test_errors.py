@@ -46,6 +46,8 @@ BAD_SIZES = [
     ("10", TypeError, r"^sharedmem: nbytes must be an integer, got str"),
     (True, TypeError, r"^sharedmem: nbytes must be an integer, got a bool"),
     (None, TypeError, r"^sharedmem: nbytes must be an integer, got NoneType"),
+    (torch.tensor(True), TypeError, r"^sharedmem: nbytes must be an integer, got a bool"),
+    (2**70, ValueError, r"^sharedmem: nbytes must be at most 4,611,686,018,427,387,904 bytes"),
 ]
 
 
@@ -69,6 +71,9 @@ BAD_SHAPES = [
     ("23", TypeError, r"^sharedmem: shape must be a sequence of integers, got '23'$"),
     (2.5, TypeError, r"^sharedmem: shape must be an integer or a sequence of integers, got float"),
     ((None,), TypeError, r"^sharedmem: shape dimension 0 of \(None,\) must be an integer"),
+    # Element counts past int64 would wrap around in torch.Size.numel() (2**62 * 4 -> 0).
+    ((2**62, 4), ValueError, r"^sharedmem: shape \(4611686018427387904, 4\) has 18,446,"),
+    ((2**63,), ValueError, r"^sharedmem: shape \(9223372036854775808,\) has"),
 ]
 
 
@@ -135,3 +140,16 @@ def test_cuda_without_a_gpu_names_the_devices_that_work(device: object) -> None:
 def test_cpu_and_emulated_accept_torch_devices() -> None:
     assert sm.SyncedMemory(device=torch.device("cpu")).device == "cpu"
     assert sm.SyncedMemory(device=" emulated ").device == "emulated"
+
+
+def test_a_view_too_big_for_any_buffer_is_refused_before_anything_changes() -> None:
+    b = sm.Blob((4,), torch.float32)
+    message = r"^sharedmem: a \(288230376151711744, 4\) torch.float64 view must be at most"
+    with pytest.raises(ValueError, match=message):
+        b.reshape(2**58, 4).astype(torch.float64)  # 2**60 elements of 8 bytes
+    with pytest.raises(ValueError, match=r"must be at most"):
+        sm.Blob((2**58, 4), torch.float64)
+    with pytest.raises(ValueError, match=r"must be at most"):
+        b.retype((2**59,), torch.complex128)
+    assert b.shape == (2**58, 4) and b.dtype == torch.float32  # the reshape alone was fine
+    assert b.data_memory.size == 2**62

@@ -1,11 +1,12 @@
 """The invariant of DESIGN §3, checked against a byte-level reference model.
 
-Any sequence of set_size, reads and writes on either side, shrink_to_fit and release: every
-byte below the largest size ever written reads back the last value written to it, from either
-side. The model is the simplest thing that states this: the last bytes written, and how far
-they reach. Two drivers push a memory and the model through the same operations: hypothesis
-(which shrinks a failure to a short sequence) and a seeded random walk (which covers far more
-operations per second, with a distribution tilted toward shrink-then-grow-back).
+Any sequence of set_size, reads and writes (of the whole view or a part of it) on either side,
+asynchronous pushes and pulls, shrink_to_fit and release: every byte below the largest size
+ever written reads back the last value written to it, from either side. The model is the
+simplest thing that states this: the last bytes written, and how far they reach. Two drivers
+push a memory and the model through the same operations: hypothesis (which shrinks a failure
+to a short sequence) and a seeded random walk (which covers far more operations per second,
+with a distribution tilted toward shrink-then-grow-back).
 """
 
 from __future__ import annotations
@@ -55,6 +56,24 @@ class Checker:
         at_side = sm.Head.SYNCED if self.single else getattr(sm.Head, f"AT_{side.upper()}")
         assert self.memory.head is at_side
 
+    def write_part(self, side: str, size: int, start: int, data: np.ndarray) -> None:
+        """Write ``data`` at ``start`` of a ``size``-byte mutable view; the rest stays."""
+        self.resize(size)
+        view = self._access(side, write=True)
+        start = min(start, size)
+        data = data[: size - start]
+        # The access wrote the whole view as far as the invariant goes: bytes never written
+        # before now hold whatever the view shows, and must read back so from now on.
+        if size > len(self.content):
+            tail = view[len(self.content) :].cpu().numpy()
+            self.content = np.concatenate([self.content, tail])
+        view[start : start + len(data)].copy_(torch.from_numpy(data))
+        self.content[start : start + len(data)] = data
+
+    def transfer(self, direction: str) -> None:
+        """``push_async`` or ``pull_async``: the copy may still run when the next step comes."""
+        getattr(self.memory, f"{direction}_async")()
+
     def read(self, side: str, size: int) -> None:
         self.resize(size)
         m = self.memory
@@ -103,6 +122,8 @@ class Checker:
         assert written == 0 or holders, (m.head, written)
         for side in holders if written else []:
             assert side.block is not None
+            if side.fence is not None:
+                continue  # a copy into it may still run; the next access waits for it
             np.testing.assert_array_equal(side.block.tensor[:written].cpu().numpy(), self.content)
 
 
@@ -142,9 +163,27 @@ def machine_for(device: str, backend: str) -> type[RuleBasedStateMachine]:
             n = self._size(size, fraction)
             self.checker.write(side, np.random.default_rng(seed).integers(0, 256, n, np.uint8))
 
+        @rule(
+            side=st.sampled_from(SIDES),
+            size=SIZES,
+            fraction=st.none() | FRACTIONS,
+            start=st.integers(0, 20_000),
+            length=st.integers(0, 4097),
+            seed=st.integers(0, 2**32 - 1),
+        )
+        def write_part(
+            self, side: str, size: int, fraction: float | None, start: int, length: int, seed: int
+        ) -> None:
+            data = np.random.default_rng(seed).integers(0, 256, length, np.uint8)
+            self.checker.write_part(side, self._size(size, fraction), start, data)
+
         @rule(side=st.sampled_from(SIDES), size=SIZES, fraction=st.none() | FRACTIONS)
         def read(self, side: str, size: int, fraction: float | None) -> None:
             self.checker.read(side, self._size(size, fraction))
+
+        @rule(direction=st.sampled_from(("push", "pull")))
+        def transfer(self, direction: str) -> None:
+            self.checker.transfer(direction)
 
         @rule()
         def shrink_to_fit(self) -> None:
@@ -188,14 +227,23 @@ def random_walk(checker: Checker, rng: np.random.Generator, steps: int, log: lis
 
     for _ in range(steps):
         op = rng.choice(
-            ["write", "read", "shrink", "release", "release_side"],
-            p=[0.35, 0.45, 0.07, 0.03, 0.1],
+            ["write", "write_part", "read", "transfer", "shrink", "release", "release_side"],
+            p=[0.25, 0.1, 0.4, 0.08, 0.07, 0.03, 0.07],
         )
         side = str(rng.choice(SIDES))
         if op == "write":
             size = pick_size()
             log.append(f"write {side} {size}")
             checker.write(side, rng.integers(0, 256, size, dtype=np.uint8))
+        elif op == "write_part":
+            size, start = pick_size(), pick_size()
+            data = rng.integers(0, 256, int(rng.integers(0, 4097)), dtype=np.uint8)
+            log.append(f"write {side} [{start}:{start + len(data)}] of {size}")
+            checker.write_part(side, size, start, data)
+        elif op == "transfer":
+            direction = str(rng.choice(["push", "pull"]))
+            log.append(f"{direction}_async")
+            checker.transfer(direction)
         elif op == "read":
             size = pick_size()
             log.append(f"read {side} {size}")

@@ -4,8 +4,16 @@ The reserved backend maps a large anonymous range once per block without reservi
 (``MAP_NORESERVE``). The kernel commits a page only when it is first touched, so capacity can
 grow behind the same address without copying a byte, and ``madvise(MADV_DONTNEED)`` hands the
 pages beyond a new capacity back to the system on shrink and release. Views taken before a
-growth stay valid. Where the range cannot be reserved (strict overcommit, address space
-exhausted) a block falls back to a plain pageable tensor, which moves when it grows.
+growth stay valid.
+
+Address space is finite (128 TiB on x86-64) and shared with everything else in the process,
+so reservations are budgeted: while the process's live reservations stay under
+``ADDRESS_BUDGET`` a block reserves ``default_reservation()`` (4 GiB at most), beyond it only
+twice what it asks for. Under strict overcommit (``vm.overcommit_memory=2``) the kernel charges
+every mapped byte whatever the flags, so there a block maps only what it asks for. A block
+that outgrows its range moves once to a range twice its new size, like a moving allocator:
+views taken before keep the old bytes. Where no range can be mapped at all a block falls back
+to a plain pageable tensor.
 
 The emulated device is built from these same classes: its blocks are separate mappings, so it
 is a second memory space whose copies to and from the host are explicit.
@@ -13,16 +21,26 @@ is a second memory space whose copies to and from the host are explicit.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import sys
+import threading
+import weakref
 
 import torch
 
 from .._errors import OutOfMemoryError
 from ._base import Backend, Block, MovingBackend, round_up
 
-__all__ = ["PageableBackend", "ReservedBackend", "default_reservation"]
+__all__ = [
+    "ADDRESS_BUDGET",
+    "PageableBackend",
+    "ReservedBackend",
+    "address_space_reserved",
+    "commit_limit",
+    "default_reservation",
+]
 
 PAGE = mmap.PAGESIZE
 # Python's mmap module does not export MAP_NORESERVE on every build; the flag is 0x4000 on
@@ -30,6 +48,38 @@ PAGE = mmap.PAGESIZE
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 _MAP_FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | _MAP_NORESERVE
 _GIB = 1 << 30
+# A quarter of x86-64's user address space: what our reservations may take at full size
+# before new blocks reserve only twice their request. Far beyond any real working set
+# (thousands of 4 GiB ranges), far from starving the rest of the process.
+ADDRESS_BUDGET = 32 << 40
+
+
+class _AddressSpace:
+    """Bytes of address space held by live reserved ranges, process-wide."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reserved = 0
+
+    def take(self, mapping: mmap.mmap) -> mmap.mmap:
+        size = len(mapping)
+        with self._lock:
+            self.reserved += size
+        # A mapping is unmapped when its last view is gone, whenever that is.
+        weakref.finalize(mapping, self._give, size)
+        return mapping
+
+    def _give(self, size: int) -> None:
+        with self._lock:
+            self.reserved -= size
+
+
+_address_space = _AddressSpace()
+
+
+def address_space_reserved() -> int:
+    """Bytes of address space the process's live host reservations hold now."""
+    return _address_space.reserved
 
 
 def default_reservation() -> int:
@@ -37,15 +87,58 @@ def default_reservation() -> int:
     physical memory where that is less (a block can never commit more than that).
 
     Within its reservation a block grows in place; a block asked for more reserves twice its
-    size, and a growth past the reservation moves it once to a range twice as large. The cap
-    keeps the address space (128 TiB on x86-64) good for tens of thousands of blocks, also on
-    machines with terabytes of memory.
+    size, and a growth past the reservation moves it once to a range twice as large. The cap,
+    with ``ADDRESS_BUDGET``, keeps the process's address space usable however many blocks
+    there are, also on machines with terabytes of memory.
     """
+    return round_up(min(max(_physical_memory(), _GIB), 4 * _GIB), PAGE)
+
+
+def _physical_memory() -> int:
     try:
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        physical = 4 * _GIB
-    return round_up(min(max(physical, _GIB), 4 * _GIB), PAGE)
+        return 4 * _GIB
+
+
+@functools.cache
+def commit_limit() -> int:
+    """The most bytes one host block may hold: the machine's memory plus its swap.
+
+    ``MAP_NORESERVE`` skips the kernel's own check of that, so without this a 64 TiB request
+    would "succeed" and the process would meet the out-of-memory killer on touching it.
+    """
+    swap = 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("SwapTotal:"):
+                    swap = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    return _physical_memory() + swap
+
+
+@functools.cache
+def _strict_overcommit() -> bool:
+    try:
+        with open("/proc/sys/vm/overcommit_memory", encoding="ascii") as setting:
+            return setting.read().strip() == "2"
+    except OSError:
+        return False
+
+
+def _check_committable(nbytes: int, device: str) -> None:
+    limit = commit_limit()
+    if nbytes > limit:
+        raise OutOfMemoryError(
+            nbytes,
+            0,
+            None,
+            device,
+            f"that is more than this machine's memory and swap ({limit:,} bytes)",
+        )
 
 
 def _empty(nbytes: int, device: str) -> torch.Tensor:
@@ -95,13 +188,19 @@ class ReservedBackend(Backend):
         self.reservation = round_up(reservation or default_reservation(), PAGE)
 
     def _map(self, nbytes: int) -> mmap.mmap | None:
-        # Ask for the full reservation (room to double), then less, down to the request
-        # itself: under strict overcommit or in a crowded address space a smaller range may
-        # still fit. None means "use pageable memory".
-        size = max(self.reservation, 2 * nbytes)
+        """A range for at least ``nbytes``, sized by the policy in the module docstring."""
+        _check_committable(nbytes, self.device)
+        if _strict_overcommit():
+            size = nbytes  # every mapped byte is charged: take no more than asked
+        elif _address_space.reserved + self.reservation > ADDRESS_BUDGET:
+            size = 2 * nbytes  # a crowded process: room to double, no more
+        else:
+            size = max(self.reservation, 2 * nbytes)
+        # Then less, down to the request itself: a smaller range may still fit where the
+        # kernel refuses a large one. None means "use pageable memory".
         while True:
             try:
-                return mmap.mmap(-1, size, flags=_MAP_FLAGS)
+                return _address_space.take(mmap.mmap(-1, size, flags=_MAP_FLAGS))
             except (OSError, OverflowError, ValueError):
                 if size <= nbytes:
                     return None
@@ -117,10 +216,12 @@ class ReservedBackend(Backend):
 
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         if isinstance(block.handle, mmap.mmap) and nbytes <= len(block.handle):
+            _check_committable(nbytes, self.device)
             return Block(block.tensor, nbytes, block.handle), 0
+        # Past the range: move, as a moving allocator does. The old range is not zeroed:
+        # views taken before keep reading the old bytes, and it goes with the last of them.
         new = self._allocate(nbytes)
         new.tensor[:keep].copy_(block.tensor[:keep])
-        self._free(block)
         return new, keep
 
     def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
