@@ -1,5 +1,6 @@
 """Backend adaptors a pool wraps around its device's backends (RMM style: features by
-composition). ``AccountedBackend`` reports every change of capacity to the pool's ledger;
+composition). ``AccountedBackend`` reports every change of capacity, every growth and every
+copy to the pool's ledger, and says when a block moved or went;
 ``LimitedBackend`` refuses a growth that would pass the pool's limit, and turns any
 out-of-memory error into one that names the buffer and the biggest buffers of the pool.
 """
@@ -60,16 +61,32 @@ class BackendAdaptor(Backend):
 
 
 class AccountedBackend(BackendAdaptor):
-    """Reports every capacity change of one side to a ledger."""
+    """Reports every capacity change, growth and copy of one side to a ledger.
 
-    def __init__(self, upstream: Backend, ledger: Ledger, side: str) -> None:
+    Args:
+        upstream: the side's backend.
+        ledger: the pool's ledger.
+        side: ``"host"`` or ``"device"``.
+        on_move: called after a block moved (a moving growth or shrink) or was freed, so
+            that nothing the pool caches keeps the old storage alive behind the ledger's back.
+    """
+
+    def __init__(
+        self,
+        upstream: Backend,
+        ledger: Ledger,
+        side: str,
+        on_move: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(upstream)
         self.ledger = ledger
         self.side = side
+        self.on_move = on_move
 
     def _allocate(self, nbytes: int) -> Block:
         block = super()._allocate(nbytes)
         self.ledger.change(self.side, block.capacity)
+        self.ledger.count("num_grows", 1)
         return block
 
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
@@ -77,17 +94,44 @@ class AccountedBackend(BackendAdaptor):
         # A block that moved was allocated while the old one was still held.
         moved = new.address != block.address
         self.ledger.change(self.side, new.capacity - block.capacity, block.capacity if moved else 0)
+        self.ledger.count("num_grows", 1)
+        self.ledger.count("grow_copy_bytes", copied)
+        if moved:
+            self._moved()
         return new, copied
 
     def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         new, copied = super()._shrink(block, nbytes, keep)
         moved = new.address != block.address
         self.ledger.change(self.side, new.capacity - block.capacity, block.capacity if moved else 0)
+        if moved:
+            self._moved()
         return new, copied
 
     def _free(self, block: Block) -> None:
         super()._free(block)
         self.ledger.change(self.side, -block.capacity)
+        self._moved()
+
+    def _copy(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        to_device: bool,
+        stream: object,
+        asynchronous: bool,
+    ) -> Fence | None:
+        fence = super()._copy(
+            dst, src, to_device=to_device, stream=stream, asynchronous=asynchronous
+        )
+        key = "host_to_device_bytes" if to_device else "device_to_host_bytes"
+        self.ledger.count(key, dst.numel())
+        return fence
+
+    def _moved(self) -> None:
+        if self.on_move is not None:
+            self.on_move()
 
     def forget(self, block: Block) -> None:
         super().forget(block)

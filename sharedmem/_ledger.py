@@ -1,14 +1,18 @@
-"""The ledger of a pool: reserved bytes per side, the peak, and the peaks of open phases.
+"""The ledger of a pool: reserved bytes per side, the peak, the peaks of open phases, and
+the traffic counters.
 
-Backends report every change of capacity here (through ``AccountedBackend``), so the figures
-are the physical bytes the pool holds, counted once, updated at every growth.
+Backends report every change of capacity and every copy here (through ``AccountedBackend``),
+so the figures are the physical bytes the pool holds, counted once, updated at every growth,
+and the counters only ever go up: a memory that leaves the pool leaves its history behind.
 """
 
 from __future__ import annotations
 
 import threading
 
-__all__ = ["Ledger"]
+__all__ = ["COUNTERS", "Ledger"]
+
+COUNTERS = ("num_grows", "grow_copy_bytes", "host_to_device_bytes", "device_to_host_bytes")
 
 
 class Ledger:
@@ -27,6 +31,7 @@ class Ledger:
         self.device = 0
         self.peak = 0
         self.phase_peaks: dict[str, int] = {}  # open phases -> peak since they opened
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
     @property
     def total(self) -> int:
@@ -48,3 +53,13 @@ class Ledger:
             self.peak = max(self.peak, high)
             for phase, peak in self.phase_peaks.items():
                 self.phase_peaks[phase] = max(peak, high)
+
+    def count(self, key: str, n: int) -> None:
+        """Add ``n`` to the traffic counter ``key`` (one of ``COUNTERS``)."""
+        with self.lock:
+            self.counters[key] += n
+
+    def snapshot(self) -> dict[str, int]:
+        """The traffic counters now."""
+        with self.lock:
+            return dict(self.counters)

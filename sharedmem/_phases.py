@@ -6,33 +6,30 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ._ledger import Ledger
+from ._ledger import COUNTERS, Ledger
 
 __all__ = ["PhaseBook"]
-
-_COUNTERS = ("num_grows", "grow_copy_bytes", "host_to_device_bytes", "device_to_host_bytes")
 
 
 class PhaseBook:
     """What each phase added up to over every time it was open.
 
+    A phase is pool-wide: it is open from the moment the first opening (in any thread) enters
+    until the last one leaves, and that whole span counts once. Nested openings of the same
+    name, in one thread or several, extend the span; they are not counted twice.
+
     Args:
-        ledger: the pool's ledger (reserved bytes and open phases' peaks).
-        counters: returns the pool's traffic counters now.
-        on_close: called with the phase's name and peak each time it closes.
+        ledger: the pool's ledger (reserved bytes, open phases' peaks, traffic counters).
+        on_close: called with the phase's name and peak each time a span closes.
     """
 
-    def __init__(
-        self,
-        ledger: Ledger,
-        counters: Callable[[], dict[str, int]],
-        on_close: Callable[[str, int], None] | None = None,
-    ) -> None:
+    def __init__(self, ledger: Ledger, on_close: Callable[[str, int], None] | None = None) -> None:
         self._ledger = ledger
-        self._counters = counters
         self.on_close = on_close  # hears (phase, peak) each time a phase closes
         self._totals: dict[str, dict[str, int]] = {}
         self._depth: dict[str, int] = {}
+        # Per open phase: the traffic counters, reserved and device bytes when it opened.
+        self._start: dict[str, tuple[dict[str, int], int, int]] = {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -40,42 +37,46 @@ class PhaseBook:
         with self._lock:
             depth = self._depth.get(name, 0)
             self._depth[name] = depth + 1
-        if depth:  # already open (nested, or another thread): the outer opening counts it
-            try:
-                yield
-            finally:
-                with self._lock:
-                    self._depth[name] -= 1
-            return
-        before = self._counters()
-        with self._ledger.lock:
-            reserved_before = self._ledger.total
-            device_before = self._ledger.device_reserved
-            self._ledger.phase_peaks[name] = reserved_before
+            if depth == 0:
+                self._begin(name)
+        peak = None
         try:
             yield
         finally:
-            after = self._counters()
-            with self._ledger.lock:
-                peak = self._ledger.phase_peaks.pop(name)
-                reserved_after = self._ledger.total
-                device_after = self._ledger.device_reserved
             with self._lock:
                 self._depth[name] -= 1
-                totals = self._totals.setdefault(
-                    name,
-                    {"entries": 0, "peak_reserved_bytes": 0}
-                    | dict.fromkeys(("added_reserved_bytes", "added_device_bytes"), 0)
-                    | dict.fromkeys(_COUNTERS, 0),
-                )
-                totals["entries"] += 1
-                totals["peak_reserved_bytes"] = max(totals["peak_reserved_bytes"], peak)
-                totals["added_reserved_bytes"] += reserved_after - reserved_before
-                totals["added_device_bytes"] += device_after - device_before
-                for key in _COUNTERS:
-                    totals[key] += after[key] - before[key]
-            if self.on_close is not None:
+                if self._depth[name] == 0:  # the last one out closes the span
+                    del self._depth[name]
+                    peak = self._end(name)
+            if peak is not None and self.on_close is not None:
                 self.on_close(name, peak)
+
+    def _begin(self, name: str) -> None:
+        ledger = self._ledger
+        with ledger.lock:
+            self._start[name] = (ledger.snapshot(), ledger.total, ledger.device_reserved)
+            ledger.phase_peaks[name] = ledger.total
+
+    def _end(self, name: str) -> int:
+        ledger = self._ledger
+        counters, reserved_before, device_before = self._start.pop(name)
+        with ledger.lock:
+            after = ledger.snapshot()
+            peak = ledger.phase_peaks.pop(name)
+            reserved_after, device_after = ledger.total, ledger.device_reserved
+        totals = self._totals.setdefault(
+            name,
+            {"entries": 0, "peak_reserved_bytes": 0}
+            | dict.fromkeys(("added_reserved_bytes", "added_device_bytes"), 0)
+            | dict.fromkeys(COUNTERS, 0),
+        )
+        totals["entries"] += 1
+        totals["peak_reserved_bytes"] = max(totals["peak_reserved_bytes"], peak)
+        totals["added_reserved_bytes"] += reserved_after - reserved_before
+        totals["added_device_bytes"] += device_after - device_before
+        for key in COUNTERS:
+            totals[key] += after[key] - counters[key]
+        return peak
 
     def stats(self) -> dict[str, dict[str, int]]:
         with self._lock:

@@ -5,9 +5,6 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
-from typing import TypeVar
 
 import torch
 
@@ -15,32 +12,24 @@ from ._adaptors import AccountedBackend, LimitedBackend
 from ._backends import Backend, Placement, resolve
 from ._blob import Blob
 from ._devices import DeviceLike
-from ._errors import SharedMemError
 from ._ledger import Ledger
 from ._phases import PhaseBook
-from ._report import biggest_buffers, format_report
+from ._pool_figures import PoolFigures
 from ._synced import SyncedMemory
-from ._timeline import Sample, Timeline
-from ._validate import ShapeLike, check_name, check_nbytes
+from ._timeline import Timeline
+from ._validate import ShapeLike, check_dtype, check_name, check_nbytes, check_shape
 
 __all__ = ["BufferPool"]
-
-_T = TypeVar("_T")
 
 # What the fast path remembers per name: the shape and dtype it was asked for, the memory
 # and its version stamp when the view was made, the view, and the blob. The blob is checked
 # to still use that memory: share_data switches a name to another memory without changing
 # either memory's stamp.
 _Entry = tuple[object, torch.dtype, SyncedMemory, int, torch.Tensor, Blob]
+_INT = {int}
 
 
-def _call(method: weakref.WeakMethod[Callable[..., _T]], *args: object) -> _T:
-    bound = method()
-    assert bound is not None, "the pool is gone"  # only the pool's own parts call this
-    return bound(*args)
-
-
-class BufferPool:
+class BufferPool(PoolFigures):
     """Named buffers shared by every net and every step, grown to the largest request.
 
     A name is one memory: a training net and an evaluation net, or every batch size of one
@@ -91,10 +80,7 @@ class BufferPool:
         self._fast: dict[str, _Entry] = {}
         self._fast_host: dict[str, _Entry] = {}
         self._lock = threading.Lock()  # guards creating names, not using them
-        # Weak method references: no reference cycle through the phase book, so a pool that
-        # goes out of scope frees its memory at once, not at the next cyclic collection.
-        counters = weakref.WeakMethod(self._counters)
-        self._phases = PhaseBook(self._ledger, lambda: _call(counters))
+        self._phases = PhaseBook(self._ledger)
         self._timeline: Timeline | None = None
         self.record_timeline(timeline)
         self._counts: dict[str, int] = {}  # named byte counters of layers on top (count())
@@ -102,9 +88,20 @@ class BufferPool:
         for adapt in adaptors:  # e.g. fault injection, innermost first
             host = adapt(host)
             accel = None if accel is None else adapt(accel)
+        # Weak method references: no reference cycle through the backends, so a pool that
+        # goes out of scope is collected at once, not at the next cyclic collection.
+        forget = weakref.WeakMethod(self._forget_views)
+
+        def moved() -> None:
+            bound = forget()
+            if bound is not None:
+                bound()
+
         # The host side of a two-sided device is accounted but never limited.
-        self._host = AccountedBackend(host, self._ledger, "host")
-        self._accel = None if accel is None else AccountedBackend(accel, self._ledger, "device")
+        self._host = AccountedBackend(host, self._ledger, "host", moved)
+        self._accel = (
+            None if accel is None else AccountedBackend(accel, self._ledger, "device", moved)
+        )
 
     # ---- names -----------------------------------------------------------------------------
 
@@ -117,7 +114,7 @@ class BufferPool:
         return list(self._blobs)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._blobs
+        return isinstance(name, str) and name in self._blobs
 
     def __len__(self) -> int:
         return len(self._blobs)
@@ -157,20 +154,47 @@ class BufferPool:
         """The named blob, created on first use (shape ``(0,)``, float32 unless given).
 
         A given ``shape`` or ``dtype`` is applied (O(1)); the memory grows on the next access.
+        Every argument is checked before anything changes: a bad call creates no name.
         """
+        check_name(name)
+        size = None if shape is None else check_shape(shape)
+        kind = None if dtype is None else check_dtype(dtype)
         blob = self._blobs.get(name)
         if blob is None:
-            check_name(name)
             with self._lock:
                 blob = self._blobs.get(name)
                 if blob is None:
                     blob = Blob((0,), name=name, placement=self._placement(name))
+                    blob.on_share = self._share_guard(name)
                     self._blobs[name] = blob
-        if dtype is not None:
-            blob.astype(dtype)
-        if shape is not None:
-            blob.reshape(shape)
+        if size is not None or kind is not None:
+            blob.retype(blob.shape if size is None else size, kind or blob.dtype)
         return blob
+
+    def _share_guard(self, name: str) -> Callable[[SyncedMemory], None]:
+        pool = weakref.ref(self)  # the blob must not keep the pool alive
+
+        def guard(memory: SyncedMemory) -> None:
+            alive = pool()
+            if alive is not None:
+                alive._adopt(name, memory)
+
+        return guard
+
+    def _adopt(self, name: str, memory: SyncedMemory) -> None:
+        """Before the buffer ``name`` takes ``memory`` by share_data / share_grad."""
+        # Only memory this pool accounts for and limits: a foreign memory would grow past
+        # the limit and outside every figure of stats().
+        backend = memory.placement.device_backend
+        if getattr(backend, "ledger", None) is not self._ledger:
+            raise ValueError(
+                f"sharedmem: buffer {name!r} of a BufferPool can only share memory of the same "
+                "pool (its limit and stats cover only its own memory); share the other way "
+                f"round (other.share_data(pool.blob({name!r}))), or take both from one pool"
+            )
+        # The fast path would keep the memory left behind (and its bytes) alive.
+        self._fast.pop(name, None)
+        self._fast_host.pop(name, None)
 
     # ---- the hot path ------------------------------------------------------------------
 
@@ -182,13 +206,19 @@ class BufferPool:
         Each call returns a new tensor object (an alias of the same bytes), so changing one
         view's metadata in place (``resize_``, ``t_``) cannot disturb the next call's.
         """
-        entry = self._fast.get(name)
+        try:
+            entry = self._fast.get(name)
+        except TypeError:  # an unhashable name: the slow path says what is wrong
+            entry = None
         if (
             entry is not None
-            and entry[0] == shape
             and entry[1] is dtype
             and entry[2].version == entry[3]
             and entry[5]._data is entry[2]  # not since left by share_data
+            # The shape as asked for before, spelt alike and with int elements: (2.0, 3.0)
+            # equals (2, 3) but is no shape, and must fail here as on the slow path.
+            and type(shape) is type(entry[0])
+            and (shape is entry[0] or (shape == entry[0] and _plain(shape)))
         ):
             return entry[4].detach()
         return self._acquire(self._fast, name, shape, dtype, Blob.mutable_data)
@@ -197,13 +227,17 @@ class BufferPool:
         self, name: str, shape: ShapeLike, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         """The named buffer's host-side view, with write intent (staging, offload)."""
-        entry = self._fast_host.get(name)
+        try:
+            entry = self._fast_host.get(name)
+        except TypeError:
+            entry = None
         if (
             entry is not None
-            and entry[0] == shape
             and entry[1] is dtype
             and entry[2].version == entry[3]
             and entry[5]._data is entry[2]
+            and type(shape) is type(entry[0])
+            and (shape is entry[0] or (shape == entry[0] and _plain(shape)))
         ):
             return entry[4].detach()
         return self._acquire(self._fast_host, name, shape, dtype, Blob.mutable_host_data)
@@ -216,14 +250,28 @@ class BufferPool:
         dtype: torch.dtype,
         access: Callable[[Blob], torch.Tensor],
     ) -> torch.Tensor:
+        check_dtype(dtype)  # checked here too: ``dtype=None`` would mean "keep the old one"
+        blob = self._blobs.get(name) if isinstance(name, str) else None
+        # What a refused growth must put back: the request changes nothing that stays.
+        before = None if blob is None else blob._typing()
         blob = self.blob(name, shape, dtype)
         memory = blob.data_memory
-        # Remember the shape as the caller spells it (a tuple, an int) when that compares
-        # equal next time; anything else (a list) as the normalised size.
-        key = shape if isinstance(shape, (tuple, int)) else blob.shape
-        with memory._lock:  # the view and its stamp must describe the same state
-            view = access(blob)
-            cache[name] = (key, dtype, memory, memory.version, view, blob)
+        # Remember the shape as the caller spells it, to compare with the next call's: a
+        # tuple, Size or int as it is, a list as a copy (the caller may change theirs), and
+        # anything else (an array) as a tuple, which only ever matches a tuple.
+        key: object = shape
+        if type(shape) is list:
+            key = list(shape)
+        elif type(shape) not in (tuple, int, torch.Size):
+            key = tuple(blob.shape)
+        try:
+            with memory._lock:  # the view and its stamp must describe the same state
+                view = access(blob)
+                cache[name] = (key, dtype, memory, memory.version, view, blob)
+        except BaseException:
+            if before is not None:
+                blob._restore_typing(before)
+            raise
         if blob.nbytes > self._high_water.get(name, 0):
             self._high_water[name] = blob.nbytes
         return view.detach()
@@ -258,114 +306,9 @@ class BufferPool:
         self._fast.clear()
         self._fast_host.clear()
 
-    def count_unpooled(self, nbytes: int) -> None:
-        """Record bytes a layer on top of the pool had to allocate outside it."""
-        self.count("unpooled_bytes", nbytes)
 
-    def count(self, key: str, nbytes: int) -> None:
-        """Add ``nbytes`` to the counter ``key`` of ``stats()`` (for layers built on the pool,
-        such as activation offload); the report shows every counter that is not zero."""
-        check_name(key)
-        n = check_nbytes(nbytes)
-        with self._lock:
-            self._counts[key] = self._counts.get(key, 0) + n
-
-    # ---- stats -----------------------------------------------------------------------------
-
-    def _memories(self) -> list[SyncedMemory]:
-        # Blobs may share memories (share_data): count each memory once.
-        seen: dict[int, SyncedMemory] = {}
-        for blob in list(self._blobs.values()):
-            for memory in (blob.data_memory, blob.grad_memory):
-                seen.setdefault(id(memory), memory)
-        return list(seen.values())
-
-    def _counters(self) -> dict[str, int]:
-        totals = dict.fromkeys(
-            ("num_grows", "grow_copy_bytes", "host_to_device_bytes", "device_to_host_bytes"), 0
-        )
-        for memory in self._memories():
-            totals["num_grows"] += memory.num_grows
-            totals["grow_copy_bytes"] += memory.grow_copy_bytes
-            totals["host_to_device_bytes"] += memory.host_to_device_bytes
-            totals["device_to_host_bytes"] += memory.device_to_host_bytes
-        return totals
-
-    def stats(self) -> dict[str, int]:
-        """The pool's figures, all ints (bytes unless named otherwise).
-
-        ``reserved_bytes`` counts unique physical bytes on both sides; ``active_bytes`` is the
-        logical size of every buffer that holds memory, capped at what it holds;
-        ``high_water_bytes`` the sum of each name's largest request.
-        """
-        ledger = self._ledger
-        active = sum(min(m.size, max(m.host_capacity, m.device_capacity)) for m in self._memories())
-        return {
-            "num_buffers": len(self._blobs),
-            "reserved_bytes": ledger.total,
-            "device_reserved_bytes": ledger.device_reserved,
-            "host_reserved_bytes": ledger.host,
-            "active_bytes": active,
-            "peak_reserved_bytes": ledger.peak,
-            "high_water_bytes": sum(list(self._high_water.values())),
-            **self._counters(),
-            "unpooled_bytes": 0,
-            **self._counts,
-        }
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Attribute growth, peaks and traffic inside the block to the phase ``name``.
-
-        Phases may nest and repeat; ``phase_stats()`` adds up every time a phase was open.
-        """
-        check_name(name)
-        with self._phases.open(name):
-            yield
-
-    def phase_stats(self) -> dict[str, dict[str, int]]:
-        """Per phase: ``entries``, ``peak_reserved_bytes``, ``added_reserved_bytes`` (both
-        sides), ``added_device_bytes`` and the traffic counters (``num_grows``,
-        ``grow_copy_bytes``, ``host_to_device_bytes``, ``device_to_host_bytes``), summed over
-        every time the phase was open."""
-        return self._phases.stats()
-
-    def record_timeline(self, on: bool = True) -> None:
-        """Start (afresh) or stop recording the memory timeline.
-
-        While on, every time a phase closes the pool records reserved, active and peak
-        bytes: open a phase per step (``with pool.phase("train"):``) to get one point per step.
-        """
-        if on:
-            self._timeline = Timeline()
-            sample = weakref.WeakMethod(self._sample)
-            self._phases.on_close = lambda phase, peak: _call(sample, phase, peak)
-        else:
-            self._timeline = None
-            self._phases.on_close = None
-
-    def _sample(self, phase: str, peak: int) -> None:
-        if self._timeline is not None:
-            self._timeline.record(phase, self.stats(), peak)
-
-    @property
-    def timeline(self) -> list[Sample]:
-        """The recorded samples (empty when the timeline is off)."""
-        return [] if self._timeline is None else self._timeline.samples
-
-    def plot_timeline(self, path: str | Path) -> Path:
-        """Write the memory timeline as a PNG (needs matplotlib: ``sharedmem[plot]``)."""
-        if self._timeline is None:
-            raise SharedMemError(
-                "sharedmem: no timeline was recorded; create the pool with timeline=True "
-                "or call pool.record_timeline() before the steps"
-            )
-        return self._timeline.plot(path, f"BufferPool on {self.device}")
-
-    def report(self) -> str:
-        """A table a person reads: every buffer, biggest first, totals last."""
-        return format_report(self.device, self._blobs, self._high_water, self.stats())
-
-    def _explain(self, label: str, allocator_failed: bool) -> str:
-        text = f"buffer {label!r} could not grow; biggest buffers: {biggest_buffers(self._blobs)}"
-        return text + ("\n" + self.report() if allocator_failed else "")
+def _plain(shape: object) -> bool:
+    """``shape`` is an int or a sequence of ints, nothing that merely compares equal."""
+    if type(shape) is int:
+        return True
+    return {*map(type, shape)} <= _INT  # type: ignore[call-overload]

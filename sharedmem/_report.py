@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from ._blob import Blob
 from ._synced import SyncedMemory
 
-__all__ = ["biggest_buffers", "format_report", "human_bytes"]
+__all__ = ["CORE_KEYS", "biggest_buffers", "format_report", "human_bytes"]
 
 # The keys every pool has; any other counter in stats() is a layer's, shown when not zero.
-_CORE_KEYS = frozenset(
+CORE_KEYS = frozenset(
     {
         "num_buffers",
         "reserved_bytes",
@@ -48,11 +48,15 @@ def _rows(blobs: Mapping[str, Blob]) -> list[tuple[str, Blob, SyncedMemory]]:
 
 
 def biggest_buffers(blobs: Mapping[str, Blob], count: int = 3) -> str:
-    """The ``count`` biggest buffers as ``'a' 1,024 bytes, 'b' ...`` (or ``none``)."""
-    rows = [row for row in _rows(blobs) if row[2].reserved_bytes][:count]
+    """The ``count`` buffers holding the most device bytes, the side a pool's limit caps, as
+    ``'a' 1,024 bytes, 'b' ...`` (or ``none``): the ones worth trimming when a growth fails."""
+    rows = sorted(
+        (row for row in _rows(blobs) if row[2].device_capacity),
+        key=lambda row: (-row[2].device_capacity, row[0]),
+    )[:count]
     if not rows:
         return "none"
-    return ", ".join(f"{name!r} {memory.reserved_bytes:,} bytes" for name, _, memory in rows)
+    return ", ".join(f"{name!r} {memory.device_capacity:,} bytes" for name, _, memory in rows)
 
 
 def format_report(
@@ -96,12 +100,20 @@ def format_report(
         return "  ".join(cells).rstrip()
 
     rule = "-" * len(line(header))
-    out = [f"BufferPool on {device}: {len(blobs)} buffers", line(header), rule]
+    rows = len(table) - 1
+    title = f"BufferPool on {device}: {len(blobs)} buffers"
+    if rows > len(blobs):
+        title += f" ({rows} rows: a gradient holding memory has a row of its own)"
+    out = [title, line(header), rule]
     out += [line(row) for row in table[1:]]
     out.append(rule)
+    reserved = stats["reserved_bytes"]
+    if device == "cpu":  # one memory serves both sides: say so rather than list it twice
+        sides = "one memory, host and device alike"
+    else:
+        sides = f"host {stats['host_reserved_bytes']:,}, device {stats['device_reserved_bytes']:,}"
     out.append(
-        f"reserved {stats['reserved_bytes']:,} bytes ({human_bytes(stats['reserved_bytes'])}: "
-        f"host {stats['host_reserved_bytes']:,}, device {stats['device_reserved_bytes']:,}), "
+        f"reserved {reserved:,} bytes ({human_bytes(reserved)}: {sides}), "
         f"peak {stats['peak_reserved_bytes']:,}, active {stats['active_bytes']:,}"
     )
     out.append(
@@ -112,7 +124,7 @@ def format_report(
     extra = [
         f"{key.removesuffix('_bytes').replace('_', ' ')} {value:,} bytes"
         for key, value in stats.items()
-        if key not in _CORE_KEYS and value
+        if key not in CORE_KEYS and value
     ]
     if extra:
         out.append(", ".join(extra))

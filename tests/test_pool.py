@@ -205,7 +205,7 @@ def test_report_is_biggest_first_with_totals_last() -> None:
     pool.tensor("middle", (5_000,), torch.float64)
     pool.blob("small").mutable_grad()
     lines = pool.report().splitlines()
-    assert lines[0] == "BufferPool on emulated: 3 buffers"
+    assert lines[0].startswith("BufferPool on emulated: 3 buffers (4 rows: a gradient")
     assert lines[1].split()[:4] == ["name", "shape", "dtype", "size"]
     names = [line.split()[0] for line in lines[3:7]]
     assert names[:2] == ["big", "middle"] and set(names[2:]) == {"small", "small.grad"}
@@ -261,8 +261,10 @@ def test_bad_names(name: object, error: type[Exception], message: str) -> None:
         pool.tensor(name, (1,))  # type: ignore[arg-type]
     with pytest.raises(error, match=message):
         pool.blob(name)  # type: ignore[arg-type]
-    with pytest.raises(error, match=message), pool.phase(name):  # type: ignore[arg-type]
+    with pytest.raises(error, match=message.replace("buffer", "phase")), pool.phase(name):  # type: ignore[arg-type]
         pass
+    with pytest.raises(error, match=message.replace("buffer", "counter")):
+        pool.count(name, 1)  # type: ignore[arg-type]
     assert len(pool) == 0
 
 
@@ -478,5 +480,175 @@ def test_an_allocator_failure_is_an_out_of_memory_error_naming_the_buffer(backen
         pool.tensor("huge", (1 << 50,), torch.uint8)  # a PiB: no allocator has it
     text = str(caught.value)
     assert caught.value.limit is None and caught.value.requested >= 1 << 50
-    assert "'huge'" in text and "'small'" in text and "the allocator said" in text
+    # The reserved range refuses what the machine cannot hold before mapping it; the pageable
+    # allocator tries and fails.
+    why = "memory and swap" if backend == "reserved" else "the allocator said"
+    assert "'huge'" in text and "'small'" in text and why in text
     assert pool.tensor("small", (10,)).tolist() == [1.0] * 10
+
+
+def test_a_memory_left_by_share_data_leaves_the_accounting_at_once() -> None:
+    # The fast path had cached a view of the memory 'a' leaves: it must not keep it (and
+    # its bytes) counted, or growth elsewhere is refused for memory nobody uses.
+    pool = sm.BufferPool("emulated", limit=6 * MiB)
+    pool.tensor("a", (MiB,), torch.uint8)
+    pool.tensor("b", (4096,), torch.uint8)
+    pool.tensor("c", (4096,), torch.uint8)
+    pool.blob("a").share_data(pool.blob("b"))
+    gc.collect()
+    assert pool.stats()["device_reserved_bytes"] == 2 * 4096
+    pool.tensor("c", (5 * MiB,), torch.uint8)  # fits: only 8 KiB is really held
+    assert (
+        pool.tensor("a", (4096,), torch.uint8).data_ptr()
+        == pool.tensor("b", (4096,), torch.uint8).data_ptr()
+    )
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_a_refused_growth_changes_nothing_at_all(device: str) -> None:
+    pool = sm.BufferPool(device, limit=MiB)
+    pool.tensor("a", (1000,)).fill_(2.0)
+    blob = pool.blob("a")
+    before = (blob.shape, blob.dtype, blob.data_memory.size, blob.grad_memory.size)
+    stats, report = pool.stats(), pool.report()
+    for shape, dtype in (((MiB,), torch.float32), ((MiB // 2,), torch.float64)):
+        with pytest.raises(sm.OutOfMemoryError):
+            pool.tensor("a", shape, dtype)
+        after = (blob.shape, blob.dtype, blob.data_memory.size, blob.grad_memory.size)
+        assert after == before and pool.stats() == stats and pool.report() == report
+    assert blob.host_data().tolist() == [2.0] * 1000  # and reading allocates no more
+    assert pool.stats()["host_reserved_bytes"] <= 4096
+
+
+def test_counters_never_go_backwards() -> None:
+    # A memory that leaves the pool (share_data) leaves its traffic in the pool's history.
+    pool = sm.BufferPool("emulated")
+    with pool.phase("work"):
+        pool.host_tensor("a", (1000,)).fill_(1.0)
+        pool.blob("a").data()  # 4,000 bytes host -> device
+        pool.tensor("b", (10,))
+        pool.blob("a").share_data(pool.blob("b"))
+    gc.collect()
+    stats, work = pool.stats(), pool.phase_stats()["work"]
+    assert stats["host_to_device_bytes"] == work["host_to_device_bytes"] == 4000
+    assert stats["num_grows"] == work["num_grows"] == 3  # a: host, device; b: device
+    assert all(value >= 0 for value in work.values())
+
+
+def test_a_phase_is_open_until_its_last_thread_leaves() -> None:
+    # A opens, B joins, A leaves, C joins while B is inside: C's growth is in the phase.
+    pool = sm.BufferPool("emulated")
+    steps = [threading.Event() for _ in range(6)]
+
+    def a() -> None:
+        with pool.phase("step"):
+            steps[0].set()
+            steps[1].wait(10)
+        steps[2].set()
+
+    def b() -> None:
+        steps[0].wait(10)
+        with pool.phase("step"):
+            steps[1].set()
+            steps[3].wait(10)
+
+    def c() -> None:
+        steps[2].wait(10)
+        with pool.phase("step"):
+            pool.tensor("grown", (MiB,))
+            steps[3].set()
+
+    threads = [threading.Thread(target=f) for f in (a, b, c)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    step = pool.phase_stats()["step"]
+    assert step["entries"] == 1  # one span, from A's opening to the last one out
+    assert step["added_device_bytes"] == 4 * MiB and step["num_grows"] == 1
+
+
+def test_the_fast_path_checks_what_the_slow_path_checks() -> None:
+    pool = sm.BufferPool("cpu")
+    pool.tensor("a", (2, 3))
+    pool.tensor("b", 1)
+    with pytest.raises(TypeError, match=r"^sharedmem: shape dimension 0 of \(2\.0, 3\.0\)"):
+        pool.tensor("a", (2.0, 3.0))  # equal to (2, 3), but no shape
+    with pytest.raises(TypeError, match=r"^sharedmem: shape must be an integer"):
+        pool.tensor("b", True)  # type: ignore[arg-type]
+    for _ in range(2):  # an array is no shape, cached name or not (numpy ints in one are)
+        with pytest.raises(TypeError, match=r"^sharedmem: shape must be an integer or a seq"):
+            pool.tensor("a", np.array([2, 3]))  # type: ignore[arg-type]
+    for bad in (["x"], {"x": 1}):
+        with pytest.raises(TypeError, match=r"^sharedmem: buffer name must be a str"):
+            pool.tensor(bad, (1,))  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^sharedmem: buffer name must be a str"):
+            pool.host_tensor(bad, (1,))  # type: ignore[arg-type]
+        assert bad not in pool  # a name is a str: anything else is simply not in the pool
+
+
+def test_a_rejected_call_creates_no_name_and_changes_no_buffer() -> None:
+    pool = sm.BufferPool("cpu")
+    for name, shape, dtype in (("n1", (-1,), torch.float32), ("n2", (2,), "float32")):
+        with pytest.raises((TypeError, ValueError), match=r"^sharedmem: "):
+            pool.tensor(name, shape, dtype)  # type: ignore[arg-type]
+    assert pool.names() == [] and pool.stats()["num_buffers"] == 0
+    pool.tensor("p", (4,))
+    with pytest.raises(ValueError, match=r"^sharedmem: shape dimension 0 must be >= 0"):
+        pool.tensor("p", (-1,), torch.float64)
+    assert pool.blob("p").dtype == torch.float32 and pool.blob("p").shape == (4,)
+
+
+def test_list_shapes_take_the_fast_path_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = sm.BufferPool("cpu")
+    shape = [8, 16]
+    pool.tensor("a", shape)
+    slow: list[str] = []
+    acquire = pool._acquire
+    monkeypatch.setattr(pool, "_acquire", lambda *a: slow.append("x") or acquire(*a))
+    for _ in range(5):
+        assert pool.tensor("a", [8, 16]).shape == (8, 16)
+    shape[0] = 4  # the caller's list changes: the pool kept its own copy
+    assert pool.tensor("a", shape).shape == (4, 16)
+    assert slow == ["x"]  # only the changed shape took the slow path
+
+
+def test_a_moving_growth_outside_the_fast_path_drops_its_cached_views() -> None:
+    # Otherwise the cache would keep the old block alive while the ledger says it is gone.
+    pool = sm.BufferPool("emulated", backend="pageable")
+    old = weakref.ref(pool.tensor("x", (10,)).untyped_storage())
+    pool.blob("x").reshape(100_000).mutable_data()  # grows (moves) through the blob
+    gc.collect()
+    assert old() is None or old().data_ptr() == pool.tensor("x", (10,)).data_ptr()
+
+
+def test_a_pool_buffer_shares_only_memory_of_its_own_pool() -> None:
+    pool = sm.BufferPool("emulated", limit=MiB)
+    outside = sm.Blob((10,), device="emulated")
+    with pytest.raises(ValueError, match=r"^sharedmem: buffer 'x' of a BufferPool can only share"):
+        pool.blob("x").share_data(outside)
+    outside.share_data(pool.blob("x"))  # the other way round: the pool's memory, limited
+    with pytest.raises(sm.OutOfMemoryError):
+        outside.reshape(MiB).mutable_data()
+    other = sm.BufferPool("emulated")
+    with pytest.raises(ValueError, match=r"can only share memory of the same pool"):
+        pool.blob("x").share_grad(other.blob("y"))
+
+
+def test_the_out_of_memory_message_names_the_biggest_device_buffers() -> None:
+    # The limit caps device bytes: a big host-only staging buffer is no help to trim.
+    pool = sm.BufferPool("emulated", limit=2 * MiB)
+    pool.host_tensor("staging", (8 * MiB,), torch.uint8)
+    pool.tensor("act", (MiB,), torch.uint8)
+    with pytest.raises(sm.OutOfMemoryError) as caught:
+        pool.tensor("more", (2 * MiB,), torch.uint8)
+    biggest = str(caught.value).split("biggest buffers: ")[1].splitlines()[0]
+    assert biggest == f"'act' {MiB:,} bytes"
+
+
+def test_layers_cannot_count_into_the_pools_own_figures() -> None:
+    pool = sm.BufferPool("cpu")
+    with pytest.raises(ValueError, match=r"^sharedmem: 'reserved_bytes' is one of the pool's"):
+        pool.count("reserved_bytes", 1)
+    pool.count_unpooled(5)  # the one shared key, through its own method
+    assert pool.stats()["unpooled_bytes"] == 5 and pool.stats()["reserved_bytes"] == 0

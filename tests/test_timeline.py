@@ -33,9 +33,11 @@ def test_records_reserved_active_and_peak_per_closed_phase() -> None:
     assert all(s.peak_reserved_bytes >= s.reserved_bytes for s in samples)
     assert [s.active_bytes for s in samples if s.phase == "eval"] == [2048] * 4
     assert samples == sorted(samples, key=lambda s: s.seconds)
-    pool.record_timeline(False)
+    pool.record_timeline(False)  # stops recording, keeps what was recorded
     with pool.phase("train"):
         pass
+    assert pool.timeline == samples
+    pool.record_timeline()  # starts afresh
     assert pool.timeline == []
 
 

@@ -1,0 +1,163 @@
+"""The figures side of a BufferPool: stats, phases, the memory timeline, the report, and the
+named counters of layers built on the pool. BufferPool inherits it; the state lives there."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from ._blob import Blob
+from ._errors import SharedMemError
+from ._ledger import Ledger
+from ._phases import PhaseBook
+from ._report import CORE_KEYS, biggest_buffers, format_report
+from ._synced import SyncedMemory
+from ._timeline import Sample, Timeline
+from ._validate import check_name, check_nbytes
+
+__all__ = ["PoolFigures"]
+
+_T = TypeVar("_T")
+
+
+def _call(method: weakref.WeakMethod[Callable[..., _T]], *args: object) -> _T:
+    bound = method()
+    assert bound is not None, "the pool is gone"  # only the pool's own parts call this
+    return bound(*args)
+
+
+class PoolFigures:
+    """Stats, phases, timeline and report of a pool (a base class of ``BufferPool``)."""
+
+    # Set by BufferPool.__init__.
+    _blobs: dict[str, Blob]
+    _high_water: dict[str, int]
+    _ledger: Ledger
+    _phases: PhaseBook
+    _timeline: Timeline | None
+    _counts: dict[str, int]
+    _lock: threading.Lock
+
+    @property
+    def device(self) -> str:
+        raise NotImplementedError
+
+    def count_unpooled(self, nbytes: int) -> None:
+        """Record bytes a layer on top of the pool had to allocate outside it."""
+        self.count("unpooled_bytes", nbytes)
+
+    def count(self, key: str, nbytes: int) -> None:
+        """Add ``nbytes`` to the counter ``key`` of ``stats()`` (for layers built on the pool,
+        such as activation offload); the report shows every counter that is not zero."""
+        check_name(key, "counter name")
+        if key in CORE_KEYS:
+            raise ValueError(
+                f"sharedmem: {key!r} is one of the pool's own figures and cannot be counted "
+                "into; choose another counter name"
+            )
+        n = check_nbytes(nbytes)
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + n
+
+    # ---- stats -----------------------------------------------------------------------------
+
+    def _memories(self) -> list[SyncedMemory]:
+        # Blobs may share memories (share_data): count each memory once.
+        seen: dict[int, SyncedMemory] = {}
+        for blob in list(self._blobs.values()):
+            for memory in (blob.data_memory, blob.grad_memory):
+                seen.setdefault(id(memory), memory)
+        return list(seen.values())
+
+    def _active_bytes(self) -> int:
+        return sum(min(m.size, max(m.host_capacity, m.device_capacity)) for m in self._memories())
+
+    def stats(self) -> dict[str, int]:
+        """The pool's figures, all ints (bytes unless named otherwise).
+
+        ``reserved_bytes`` counts unique physical bytes on both sides; ``active_bytes`` is the
+        logical size of every buffer that holds memory, capped at what it holds;
+        ``high_water_bytes`` the sum of each name's largest request.
+        """
+        ledger = self._ledger
+        return {
+            "num_buffers": len(self._blobs),
+            "reserved_bytes": ledger.total,
+            "device_reserved_bytes": ledger.device_reserved,
+            "host_reserved_bytes": ledger.host,
+            "active_bytes": self._active_bytes(),
+            "peak_reserved_bytes": ledger.peak,
+            "high_water_bytes": sum(list(self._high_water.values())),
+            **ledger.snapshot(),
+            "unpooled_bytes": 0,
+            **self._counts,
+        }
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute growth, peaks and traffic inside the block to the phase ``name``.
+
+        Phases may nest and repeat; ``phase_stats()`` adds up every time a phase was open.
+        """
+        check_name(name, "phase name")
+        with self._phases.open(name):
+            yield
+
+    def phase_stats(self) -> dict[str, dict[str, int]]:
+        """Per phase: ``entries``, ``peak_reserved_bytes``, ``added_reserved_bytes`` (both
+        sides), ``added_device_bytes`` and the traffic counters (``num_grows``,
+        ``grow_copy_bytes``, ``host_to_device_bytes``, ``device_to_host_bytes``), summed over
+        every time the phase was open."""
+        return self._phases.stats()
+
+    def record_timeline(self, on: bool = True) -> None:
+        """Start (afresh) or stop recording the memory timeline.
+
+        While on, every time a phase closes the pool records reserved, active and peak
+        bytes: open a phase per step (``with pool.phase("train"):``) to get one point per step.
+        Stopping keeps what was recorded (``timeline``, ``plot_timeline``).
+        """
+        if on:
+            self._timeline = Timeline()
+            sample = weakref.WeakMethod(self._sample)
+            self._phases.on_close = lambda phase, peak: _call(sample, phase, peak)
+        else:
+            self._phases.on_close = None
+
+    def _sample(self, phase: str, peak: int) -> None:
+        if self._timeline is not None:
+            self._timeline.record(phase, self._timeline_figures(), peak)
+
+    def _timeline_figures(self) -> dict[str, int]:
+        ledger = self._ledger
+        return {
+            "reserved_bytes": ledger.total,
+            "device_reserved_bytes": ledger.device_reserved,
+            "active_bytes": self._active_bytes(),
+        }
+
+    @property
+    def timeline(self) -> list[Sample]:
+        """The recorded samples (empty when the timeline is off)."""
+        return [] if self._timeline is None else self._timeline.samples
+
+    def plot_timeline(self, path: str | Path) -> Path:
+        """Write the memory timeline as a PNG (needs matplotlib: ``sharedmem[plot]``)."""
+        if self._timeline is None:
+            raise SharedMemError(
+                "sharedmem: no timeline was recorded; create the pool with timeline=True "
+                "or call pool.record_timeline() before the steps"
+            )
+        return self._timeline.plot(path, f"BufferPool on {self.device}")
+
+    def report(self) -> str:
+        """A table a person reads: every buffer, biggest first, totals last."""
+        return format_report(self.device, self._blobs, self._high_water, self.stats())
+
+    def _explain(self, label: str, allocator_failed: bool) -> str:
+        text = f"buffer {label!r} could not grow; biggest buffers: {biggest_buffers(self._blobs)}"
+        return text + ("\n" + self.report() if allocator_failed else "")
