@@ -4,14 +4,14 @@ prefetched, just before backward needs them (vDNN on a pool)."""
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 import torch
 
 from ._errors import SharedMemError
 from ._offload_copies import copies_for
-from ._offload_step import Names, Saved, Step
+from ._offload_names import names_of
+from ._offload_step import Saved, Step
 from ._pool import BufferPool
 from ._validate import _SUPPORTED_DTYPES, check_nbytes
 
@@ -28,17 +28,7 @@ _COUNTERS = (
     "pooled_bytes",
 )
 
-# Per pool, the buffer numbers leased by live saved tensors, shared by every save_on_pool on
-# that pool, so that two graphs alive at once never share a buffer.
-_names: weakref.WeakKeyDictionary[BufferPool, dict[str, Names]] = weakref.WeakKeyDictionary()
-_names_lock = threading.Lock()
 _active = threading.local()  # the save_on_pool active in this thread, if any
-
-
-def _names_of(pool: BufferPool, prefix: str) -> Names:
-    with _names_lock:
-        per_pool = _names.setdefault(pool, {})
-        return per_pool.setdefault(prefix, Names(prefix))
 
 
 def _span_bytes(tensor: torch.Tensor) -> int:
@@ -65,19 +55,24 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
     offloads of forward are still on the device when backward starts and are handed back
     without a copy.
 
-    What is left alone (kept by autograd as usual): parameters and other leaves that require
-    grad, and views of them (they stay alive anyway), tensors under ``min_bytes``, tensors on
-    another device than the pool's, and tensors a byte copy cannot carry (sparse, quantized,
-    nested, tensor subclasses, conjugate or negative views).
+    What is left alone (kept by autograd as usual): parameters, frozen ones too, other leaves
+    that require grad, and views of them (they stay alive anyway), tensors under ``min_bytes``,
+    tensors on another device than the pool's, and tensors a byte copy cannot carry (sparse,
+    quantized, nested, tensor subclasses, conjugate or negative views). A module's registered
+    buffers are plain tensors that nothing tells from inputs: a big one that is saved is
+    copied like any activation (exact, but it frees nothing, as the module keeps it); make
+    a big constant a frozen ``nn.Parameter`` to keep it out.
 
     **Buffers.** Saved tensors go into buffers named ``offload.<n>`` (``saved.<n>`` without
-    ``offload``), ``n`` being the tensor's place in the step (reset at every entry). The same
-    model run again therefore reuses the same buffers in the same order: the host side grows
-    during the first step (pinned once, on CUDA) and never again, which ``stats()["num_grows"]``
-    and ``host_reserved_bytes`` show. A buffer is reused only once autograd has dropped every
-    handle to it (after backward, or when the graph is freed); a graph still alive keeps its
-    buffers, and the next step uses ``offload.<n>.1`` (and so on) meanwhile. Leave these names
-    to ``save_on_pool``, and release the pool only when no graph needs them.
+    ``offload``), ``n`` being the tensor's place in its forward: numbering starts at 0 at every
+    entry, and again when a forward follows a backward inside one block (a training loop
+    inside one ``with``). The same model run again therefore reuses the same buffers in the
+    same order: the host side grows during the first step (pinned once, on CUDA) and never
+    again, which ``stats()["num_grows"]`` and ``host_reserved_bytes`` show. A buffer is reused
+    only once autograd has dropped every handle to it (after backward, or when the graph is
+    freed); a graph still alive keeps its buffers, and the next step uses ``offload.<n>.1``
+    (and so on) meanwhile. Leave these names to ``save_on_pool``, and release the pool only
+    when no graph needs them.
 
     **Exactness.** A saved tensor is carried as the raw bytes from its first element to its last
     and rebuilt with the same shape, strides, dtype and alignment, so views, transposed and
@@ -96,8 +91,9 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
     dropped once the compute stream has waited for the copy using it (or after
     ``record_stream``), so the caching allocator never hands out bytes a copy still uses.
 
-    A saved tensor changed in place after it was saved raises ``SharedMemError`` in backward
-    (when it is still alive to tell), as autograd would without hooks.
+    A saved tensor changed in place after it was saved (through itself or any view of it)
+    raises ``SharedMemError``, a ``RuntimeError`` with autograd's words, in backward, as
+    autograd does without hooks (with hooks, ``save_on_cpu`` included, autograd checks nothing).
 
     **Stats** (``pool.stats()``, and ``report()`` when not zero): ``offloaded_bytes`` copied
     into host buffers, ``pooled_bytes`` copied into device buffers (``offload=False``),
@@ -162,25 +158,56 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
         self._depth = depth if offload else 0
         self._min_bytes = check_nbytes(min_bytes, "min_bytes")
         self._copies = copies_for(pool.device)
-        self._names = _names_of(pool, "offload" if offload else "saved")
+        self._names = names_of(pool, "offload" if offload else "saved")
+        # The thread inside the block, and the step of its current forward. Both change under
+        # the lock: two threads entering one object at once must not both get in, and the
+        # pack hook (also run by autograd's device threads) may start the next step.
+        self._lock = threading.Lock()
+        self._owner: int | None = None
         self._step: Step | None = None
         for key in _COUNTERS:
             pool.count(key, 0)  # the keys are in stats() from the start
         super().__init__(self._pack, _unpack)
 
     def __enter__(self) -> None:
-        if self._step is not None and getattr(_active, "hooks", None) is not self:
-            raise SharedMemError(
-                "sharedmem: this save_on_pool object is already in use in another thread; "
-                "give each thread its own (sm.save_on_pool(pool) in the thread)"
-            )
-        if getattr(_active, "hooks", None) is not None or self._step is not None:
-            raise SharedMemError(
-                "sharedmem: save_on_pool cannot be nested (one is already active in this "
-                "thread): saved tensors would go to two places at once. Use a single "
-                "save_on_pool around the whole forward."
-            )
-        self._step = Step(
+        me = threading.get_ident()
+        with self._lock:  # checked and claimed at once
+            if self._owner is not None and self._owner != me:
+                raise SharedMemError(
+                    "sharedmem: this save_on_pool object is already in use in another thread; "
+                    "give each thread its own (sm.save_on_pool(pool) in the thread)"
+                )
+            if self._owner is not None or getattr(_active, "hooks", None) is not None:
+                raise SharedMemError(
+                    "sharedmem: save_on_pool cannot be nested (one is already active in this "
+                    "thread): saved tensors would go to two places at once. Use a single "
+                    "save_on_pool around the whole forward."
+                )
+            self._owner = me
+        _active.hooks = self
+        try:
+            self._step = self._new_step()
+            super().__enter__()
+        except BaseException:
+            self._leave()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            step = self._leave()
+            if step is not None:
+                step.close()  # the step lives on in the handles autograd holds
+
+    def _leave(self) -> Step | None:
+        with self._lock:
+            step, self._step, self._owner = self._step, None, None
+        _active.hooks = None
+        return step
+
+    def _new_step(self) -> Step:
+        return Step(
             self._pool,
             self._names,
             self._copies,
@@ -188,25 +215,23 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
             depth=self._depth,
             window=_WINDOW,
         )
-        _active.hooks = self
-        try:
-            super().__enter__()
-        except BaseException:
-            self._step, _active.hooks = None, None
-            raise
 
-    def __exit__(self, *exc: object) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            step, self._step, _active.hooks = self._step, None, None
-            if step is not None:
-                step.close()  # the step lives on in the handles autograd holds
+    def _current_step(self) -> Step | None:
+        """The step a save belongs to: a new one when the last forward is over."""
+        with self._lock:
+            step = self._step
+            if step is not None and step.spent():
+                # A forward after a backward in the same block (a training loop inside one
+                # ``with``): its tensors are numbered from 0 again, so every iteration uses
+                # the same buffers; the old step lives on in the handles autograd holds.
+                step.close(retire=True)
+                step = self._step = self._new_step()
+            return step
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        step = self._step
         nbytes = _span_bytes(tensor) if self._eligible(tensor) else 0
-        if step is None or nbytes < max(self._min_bytes, 1):
+        step = self._current_step() if nbytes >= max(self._min_bytes, 1) else None
+        if step is None:
             # Left alone. Detached so that the handle does not hold the tensor's own graph
             # (an output saved by its node would otherwise form a reference cycle).
             return tensor.detach()
@@ -215,9 +240,9 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
     def _eligible(self, tensor: torch.Tensor) -> bool:
         base = tensor._base  # a view of a parameter (weight.t() in addmm) stays like it
         return (
-            type(tensor) is torch.Tensor  # not a Parameter, not a subclass
+            type(tensor) is torch.Tensor  # not a Parameter (frozen or not), not a subclass
             and not (tensor.requires_grad and tensor.is_leaf)
-            and not (base is not None and base.requires_grad and base.is_leaf)
+            and not (base is not None and _kept_anyway(base))
             and tensor.layout == torch.strided
             and not tensor.is_nested
             and not tensor.is_quantized
@@ -227,6 +252,12 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
             and tensor.device == self._copies.device
             and tensor.data_ptr() % tensor.element_size() == 0
         )
+
+
+def _kept_anyway(base: torch.Tensor) -> bool:
+    """Whether a view's base outlives the step anyway, so that moving it would save nothing:
+    a parameter (a frozen one too: LoRA, fine-tuning), or another leaf that requires grad."""
+    return isinstance(base, torch.nn.Parameter) or (base.requires_grad and base.is_leaf)
 
 
 def _unpack(packed: Any) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The saved tensors of one step of ``save_on_pool``: pool buffers leased by name, restores,
-prefetch, and giving buffers back when autograd lets go of them.
+"""The saved tensors of one forward under ``save_on_pool`` (a step): pool buffers leased by
+name, restores, prefetch, and giving buffers back when autograd lets go of them.
 
 Lifetimes:
 
@@ -27,46 +27,19 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from ._errors import SharedMemError
 from ._offload_copies import ALIGN, EngineCopies, Restored
+from ._offload_names import Names
 from ._pool import BufferPool
 from ._synced import Head, SyncedMemory
 
-__all__ = ["Names", "Saved", "Slot", "Step"]
+__all__ = ["Saved", "Slot", "Step"]
 
-
-class Names:
-    """Which buffers ``<prefix>.<n>`` of a pool are leased by live saved tensors."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self._busy: set[tuple[int, int]] = set()
-        self.memories: dict[str, SyncedMemory] = {}  # name -> its memory, once looked up
-        # Re-entrant: a collection inside lease() may drop another step's graph, whose
-        # handles give their names back from the same thread.
-        self._lock = threading.RLock()
-
-    def lease(self, number: int) -> tuple[str, tuple[int, int]]:
-        """The buffer for the step's tensor ``number``: ``<prefix>.<number>``, or when a graph
-        still alive holds that one, ``<prefix>.<number>.<k>``. Either way a buffer is used for
-        the same place in the step every time, so it meets the same sizes and stops growing.
-
-        Returns the name and the key to give back to ``release``.
-        """
-        with self._lock:
-            key = (number, 0)
-            while key in self._busy:
-                key = (number, key[1] + 1)
-            self._busy.add(key)
-        suffix = "" if key[1] == 0 else f".{key[1]}"
-        return f"{self.prefix}.{number}{suffix}", key
-
-    def release(self, key: tuple[int, int]) -> None:
-        with self._lock:
-            self._busy.discard(key)
+_T = TypeVar("_T")
 
 
 class Slot:
@@ -90,13 +63,19 @@ class Slot:
         self.start = tensor.data_ptr()  # address of the span's first byte, while it lived
         self.nbytes = memory.size
         self.align = self.start % ALIGN
-        # Kept to refuse a tensor changed in place after it was saved, as autograd does
-        # without hooks, and to match later saves of it; weak, so its memory can go. A view
-        # shares its base's version counter and the base lives as long as the bytes, while a
-        # saved temporary view (mm saves h.t()) dies at once: so watch the base.
+        self.shape = tuple(tensor.shape)  # of its first save, for the in-place error
+        # To refuse a tensor changed in place after it was saved, as autograd does without
+        # hooks (with hooks it checks nothing). In-place ops bump a version counter shared by
+        # a tensor, its views and its detach(); the tensor saved is mostly a local of
+        # forward(), gone by backward, so the slot holds the counter itself.
+        self.counter = _version_counter_of(tensor)
+        self.version = tensor._version
+        # Weak: while it lives, so does the storage, and its address names no other one; that
+        # is when a later save can be matched to this slot. A view shares its base's storage
+        # and the base lives as long as the bytes, while a saved temporary view (mm saves
+        # h.t()) dies at once: so watch the base.
         watched = tensor if tensor._base is None else tensor._base
         self.origin = weakref.ref(watched)
-        self.version = watched._version
         self.live = 0  # Saved handles alive
         self.seen_pass = -1  # the backward pass in which seen_count handles were unpacked
         self.seen_count = 0
@@ -115,7 +94,7 @@ class Slot:
         return (
             not self.released
             and origin is not None  # alive, so its storage is, and addresses are unique
-            and origin._version == self.version
+            and self.counter._version == self.version
             and tensor.dtype == self.dtype
             and self.start <= start
             and start + nbytes <= self.start + self.nbytes
@@ -123,14 +102,27 @@ class Slot:
         )
 
     def check_unchanged(self) -> None:
-        tensor = self.origin()
-        if tensor is not None and tensor._version != self.version:
+        version = self.counter._version
+        if version != self.version:
             raise SharedMemError(
-                f"sharedmem: a tensor saved for backward (of shape {tuple(tensor.shape)}, "
-                f"{self.dtype}) was modified by an in-place operation after it was saved "
-                f"(version {self.version} -> {tensor._version}). Autograd would refuse this "
-                "without save_on_pool too; clone the tensor before changing it in place."
+                "sharedmem: one of the variables needed for gradient computation has been "
+                f"modified by an inplace operation: a tensor of shape {self.shape} ({self.dtype}) "
+                f"saved under save_on_pool is at version {version}; it was saved at version "
+                f"{self.version}. Autograd refuses this without save_on_pool too: clone the "
+                "tensor before changing it in place, or change it out of place."
             )
+
+
+def _version_counter_of(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty tensor that shares ``tensor``'s version counter and none of its memory.
+
+    ``detach()`` shares the counter (and the storage); assigning ``.data`` then swaps the
+    storage and keeps the counter (PyTorch's NOTE [ Version Counter Sharing ]). Holding the
+    detached alias itself would keep an offloaded tensor's device memory alive.
+    """
+    alias = tensor.detach()
+    alias.data = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return alias
 
 
 class Saved:
@@ -156,7 +148,11 @@ class Saved:
 
 
 class Step:
-    """The slots of one entry of ``save_on_pool``, in the order they were saved."""
+    """The slots of one forward under ``save_on_pool``, in the order they were saved.
+
+    A block holds one step per forward: a forward that starts after a backward (a training
+    loop inside one ``with``) gets a new step, numbered from 0 again (see ``spent``).
+    """
 
     def __init__(
         self,
@@ -182,12 +178,14 @@ class Step:
         self.pass_id = 0  # backward passes over this step's graph (retain_graph)
         self.cursor = sys.maxsize  # prefetch goes on below this slot index
         self.outstanding = 0  # prefetched and not yet handed out
+        self.unpacked = False  # backward (or user code) has read a saved tensor of it
+        self.live_slots = 0  # slots with a Saved handle alive
         self._lock = threading.Lock()
         self._dead: deque[tuple[Slot, int]] = deque()
 
     # ---- locking -------------------------------------------------------------------------
 
-    def _locked(self, work: Callable[[], Saved | Restored]) -> Saved | Restored:
+    def _locked(self, work: Callable[[], _T]) -> _T:
         try:
             with self._lock:
                 try:
@@ -216,18 +214,28 @@ class Step:
         self._dead.append((slot, unpacked_pass))
         self._flush()
 
-    def close(self) -> None:
-        """The forward is over: no more saves to match against."""
-        with self._lock:
+    def spent(self) -> bool:
+        """Whether its forward is over: a backward has begun, or its graph is gone. A new
+        save then belongs to the next forward, which starts a step of its own."""
+        return self._locked(lambda: self.unpacked or (bool(self.slots) and not self.live_slots))
+
+    def close(self, *, retire: bool = False) -> None:
+        """The forward is over: no more saves to match against. With ``retire`` the next
+        forward is about to start, so the offloads still in flight are finished now (the
+        compute side waits for them) rather than held on the device until backward."""
+
+        def work() -> None:
             self.seen.clear()
+            if retire:
+                self._retire(keep=0)
+
+        self._locked(work)
 
     # ---- packing -------------------------------------------------------------------------
 
     def pack(self, tensor: torch.Tensor, nbytes: int) -> Saved:
         """Store ``tensor`` (its ``nbytes``-byte span) in a pool buffer; one handle per save."""
-        result = self._locked(lambda: self._pack(tensor, nbytes))
-        assert isinstance(result, Saved)
-        return result
+        return self._locked(lambda: self._pack(tensor, nbytes))
 
     def _pack(self, tensor: torch.Tensor, nbytes: int) -> Saved:
         address = tensor.untyped_storage().data_ptr()
@@ -270,24 +278,27 @@ class Step:
             raise
         slot = Slot(self, len(self.slots), name, key, memory, tensor)
         self.slots.append(slot)
+        self.live_slots += 1
         if held is not None:
             slot.source = held
             self.inflight.append(slot)
-            while len(self.inflight) > self.window:
-                # The oldest offload has had a few layers of compute to run behind; the
-                # compute side now waits for it, and its device memory is free again.
-                oldest = self.inflight.popleft()
-                assert oldest.source is not None
-                self.copies.retire(oldest.source)
-                oldest.source = None
+            self._retire(keep=self.window)  # the oldest had a few layers to run behind
         return slot
+
+    def _retire(self, keep: int) -> None:
+        """Finish the oldest offloads until ``keep`` are in flight: the compute side waits for
+        each copy, and the device memory it read is free again."""
+        while len(self.inflight) > keep:
+            slot = self.inflight.popleft()
+            assert slot.source is not None
+            self.copies.retire(slot.source)
+            slot.source = None
 
     # ---- unpacking -----------------------------------------------------------------------
 
     def unpack(self, handle: Saved) -> torch.Tensor:
         """The saved tensor of ``handle`` on the device, restored or prefetched."""
         restored = self._locked(lambda: self._unpack(handle))
-        assert isinstance(restored, Restored)
         self.copies.hand_over(restored)
         return handle.rebuild(restored.tensor)
 
@@ -299,6 +310,7 @@ class Step:
             self.pass_id += 1
             self.cursor = sys.maxsize
         handle.unpacked_pass = self.pass_id
+        self.unpacked = True
         slot.check_unchanged()
         if slot.seen_pass != self.pass_id:
             slot.seen_pass, slot.seen_count = self.pass_id, 0
@@ -371,6 +383,7 @@ class Step:
                 slot.source = None
             slot.restored = None
             slot.released = True
+            self.live_slots -= 1
             self.names.release(slot.key)
         elif (
             slot.restored is not None

@@ -18,6 +18,7 @@ import sharedmem as sm
 
 MiB = 1 << 20
 F64 = torch.float64
+INPLACE = "modified by an inplace operation"  # autograd's own words, so one `match` fits both
 
 
 def torch_device(device: str) -> str:
@@ -329,7 +330,9 @@ def test_the_saved_tensors_device_memory_is_given_back() -> None:
     assert memory() is None
     with sm.save_on_pool(pool):
         loss, memory = forward(3)
-    assert memory() is None  # offloaded, and retired once later offloads came in
+    # offloaded, and retired once later offloads came in; what watches it for in-place
+    # changes holds none of its memory
+    assert memory() is None
     loss.backward()
     with sm.save_on_pool(pool):
         loss, memory = forward(1)
@@ -379,7 +382,7 @@ def test_a_saved_tensor_changed_in_place_is_refused_in_backward() -> None:
     with sm.save_on_pool(pool):
         y = (x * 2).exp()  # exp saves its result
         y.add_(1)
-    with pytest.raises(sm.SharedMemError, match="modified by an in-place operation"):
+    with pytest.raises(sm.SharedMemError, match=INPLACE):
         y.sum().backward()
 
 
@@ -516,7 +519,7 @@ def test_a_saved_temporary_view_changed_in_place_is_refused() -> None:
         out = (h.t() @ w).sum()
     with torch.no_grad():
         h.mul_(2)  # plain autograd refuses this too
-    with pytest.raises(sm.SharedMemError, match=r"modified by an in-place operation"):
+    with pytest.raises(sm.SharedMemError, match=INPLACE):
         out.backward()
 
 
@@ -543,3 +546,199 @@ def test_one_save_on_pool_object_in_two_threads_says_so() -> None:
         done.set()
         holder.join()
     assert len(errors) == 1 and "in use in another thread" in str(errors[0])
+
+
+# ---- in place after saving: refused as autograd refuses it ------------------------------------
+
+
+def _input_changed(w: torch.Tensor) -> torch.Tensor:
+    x = torch.randn(512, 256, dtype=F64)
+    y = (w * x).sum()  # mul saves x for w's gradient
+    x.add_(1)
+    return y
+
+
+def _view_of_saved_changed(w: torch.Tensor) -> torch.Tensor:
+    h = w * 2
+    y = h.sin().sum()
+    h[0].zero_()  # a view shares its base's version counter
+    return y
+
+
+def _other_part_of_the_storage_changed(w: torch.Tensor) -> torch.Tensor:
+    h = w * 2
+    y = h[:256].sin().sum()
+    h[256:].zero_()  # disjoint bytes, but the same version counter: autograd refuses
+    return y
+
+
+def _changed_then_saved_again(w: torch.Tensor) -> torch.Tensor:
+    h = w * 2
+    y = h.sin().sum()
+    h.mul_(3)  # the first save is stale, the second is not
+    return y + h.cos().sum()
+
+
+def _changed_with_later_saves(later: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(w: torch.Tensor) -> torch.Tensor:
+        h = w * 2  # a local of forward: gone by backward
+        y = h.sin().sum()
+        for _ in range(later):  # push h's offload out of the window kept on the device
+            y = y + (w * 3).exp().sum()
+        h.zero_()
+        return y
+
+    return forward
+
+
+def _relu_in_place_after_linear(w: torch.Tensor) -> torch.Tensor:
+    h = w @ torch.randn(256, 256, dtype=F64)  # mm does not save its output
+    h.relu_()
+    return h.exp().sum()
+
+
+def _batch_norm_twice(w: torch.Tensor) -> torch.Tensor:
+    bn = torch.nn.BatchNorm1d(256).double()  # running stats change in place between calls
+    return bn(w).exp().sum() + bn(w * 2).exp().sum()
+
+
+@pytest.mark.parametrize(
+    ("forward", "refused"),
+    [
+        pytest.param(_input_changed, True, id="input"),
+        pytest.param(_view_of_saved_changed, True, id="view"),
+        pytest.param(_other_part_of_the_storage_changed, True, id="other-part"),
+        pytest.param(_changed_then_saved_again, True, id="saved-again"),
+        pytest.param(_changed_with_later_saves(0), True, id="kept-on-device"),
+        pytest.param(_changed_with_later_saves(3), True, id="offloaded"),
+        pytest.param(_relu_in_place_after_linear, False, id="relu_-allowed"),
+        pytest.param(_batch_norm_twice, False, id="batch-norm-allowed"),
+    ],
+)
+def test_in_place_changes_after_saving_are_refused_exactly_where_autograd_refuses(
+    forward: Callable[[torch.Tensor], torch.Tensor], refused: bool
+) -> None:
+    def run(pool: sm.BufferPool | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        w = torch.randn(512, 256, dtype=F64, requires_grad=True)
+        if pool is None:
+            loss = forward(w)
+        else:
+            with sm.save_on_pool(pool, min_bytes=1):
+                loss = forward(w)
+        loss.backward()
+        assert w.grad is not None
+        return w.grad
+
+    if refused:
+        with pytest.raises(RuntimeError, match=INPLACE):
+            run(None)
+        with pytest.raises(sm.SharedMemError, match=INPLACE):
+            run(sm.BufferPool("emulated"))
+    else:
+        assert torch.equal(run(None), run(sm.BufferPool("emulated")))
+
+
+# ---- a training loop inside one block ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_a_training_loop_inside_one_block_reuses_its_buffers(device: str) -> None:
+    pool = sm.BufferPool(device)
+    plain, pooled = twins(lambda: mlp(depth=2), device)
+    x = torch.randn(512, 256, dtype=F64)
+    seen = []
+    with sm.save_on_pool(pool):
+        for step in range(6):
+            for m in (plain, pooled):
+                m.zero_grad(set_to_none=True)
+            plain(x * step).square().sum().backward()
+            pooled(x * step).square().sum().backward()
+            assert_same_grads(plain, pooled, f"step {step}")
+            stats = pool.stats()
+            seen.append((stats["host_reserved_bytes"], stats["num_grows"], len(pool)))
+    assert seen[0][2] == 3
+    assert seen[1:] == [seen[0]] * 5, seen
+
+
+def test_a_loop_keeping_the_last_graph_alive_uses_two_sets_of_buffers() -> None:
+    pool = sm.BufferPool("emulated")
+    model = mlp(depth=2).double()
+    x = torch.randn(512, 256, dtype=F64)
+    previous = None
+    with sm.save_on_pool(pool):
+        for _ in range(5):
+            loss = model(x).square().sum()
+            loss.backward(retain_graph=True)  # the graph and its buffers live on ...
+            previous = loss  # ... until the next step replaces it
+    del previous, loss
+    assert sorted(pool.names()) == [f"offload.{n}{k}" for n in range(3) for k in ("", ".1")]
+
+
+# ---- frozen parameters ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_frozen_parameters_and_views_of_them_are_left_alone(device: str) -> None:
+    torch.manual_seed(0)
+    frozen = torch.nn.Linear(1024, 1024).double().requires_grad_(False)  # 8 MiB weight
+    table = torch.nn.Parameter(torch.randn(2048, 1024, dtype=F64), requires_grad=False)
+    adapter = torch.nn.Linear(1024, 8).double()  # LoRA-style: only this one trains
+    x = torch.randn(4, 1024, dtype=F64, requires_grad=True)  # 32 KiB activations
+
+    def loss() -> torch.Tensor:
+        # addmm saves frozen.weight.t() and mm saves table[:1024]: 8 MiB views of parameters
+        return adapter(frozen(x).relu() @ table[:1024]).sum()
+
+    expected = torch.autograd.grad(loss(), [x, *adapter.parameters()])
+    pool = sm.BufferPool(device)
+    with sm.save_on_pool(pool):
+        out = loss()
+    assert len(pool) == 0 and pool.stats()["offloaded_bytes"] == 0
+    got = torch.autograd.grad(out, [x, *adapter.parameters()])
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
+# ---- one object, two threads, the same moment -------------------------------------------------
+
+
+def test_two_threads_entering_one_object_at_once_are_told_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sharedmem._offload as offload
+
+    pool = sm.BufferPool("emulated")
+    shared = sm.save_on_pool(pool, min_bytes=0)
+    claimed, tried = threading.Event(), threading.Event()
+    real_step = offload.Step
+    holder_errors: list[BaseException] = []
+
+    def slow_step(*args: object, **kwargs: object) -> object:
+        # The holder pauses between its check and its hooks going in: the other thread
+        # must see the object as taken there already.
+        if threading.current_thread() is holder:
+            claimed.set()
+            tried.wait(10)
+        return real_step(*args, **kwargs)  # type: ignore[arg-type]
+
+    def hold() -> None:
+        try:
+            with shared:
+                pass
+        except BaseException as error:  # reported by the main thread
+            holder_errors.append(error)
+
+    monkeypatch.setattr(offload, "Step", slow_step)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    claimed.wait(10)
+    try:
+        with pytest.raises(sm.SharedMemError, match="in use in another thread"), shared:
+            pass
+    finally:
+        tried.set()
+        holder.join()
+    assert holder_errors == []
+    with shared:  # free again once the holder has left
+        pass
