@@ -85,3 +85,24 @@ def test_more_than_the_machine_holds_is_refused_not_promised(device: str) -> Non
             access()
     assert huge.host_capacity == 0 and huge.head is sm.Head.UNINITIALIZED
     assert kept.device_data().tolist() == [9] * 8
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_a_view_carries_its_capacity_not_the_whole_range(device: str) -> None:
+    # torch.save, pickle and deepcopy read a view's whole storage: that must be the bytes
+    # the buffer holds, not the gigabytes of address space reserved behind them.
+    import copy
+    import io
+
+    pool = sm.BufferPool(device)
+    view = pool.tensor("a", (256,))
+    view.fill_(1.0)
+    assert view.untyped_storage().nbytes() == host.PAGE
+    saved = io.BytesIO()
+    torch.save(view, saved)
+    assert saved.tell() < 4 * host.PAGE
+    assert torch.equal(copy.deepcopy(view), view)
+    grown = pool.tensor("a", (MiB,))  # grows in place: same address, a larger window
+    assert grown.data_ptr() == view.data_ptr() and grown.untyped_storage().nbytes() == 4 * MiB
+    grown[:256].fill_(2.0)
+    assert view.tolist() == [2.0] * 256  # the old view sees writes made after the growth

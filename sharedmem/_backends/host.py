@@ -40,6 +40,7 @@ __all__ = [
     "address_space_reserved",
     "commit_limit",
     "default_reservation",
+    "window",
 ]
 
 PAGE = mmap.PAGESIZE
@@ -152,6 +153,18 @@ def _empty(nbytes: int, device: str) -> torch.Tensor:
         raise OutOfMemoryError(nbytes, 0, None, device, f"the allocator said: {first}") from None
 
 
+def window(mapping: mmap.mmap, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of ``mapping`` as a tensor whose storage is exactly those bytes.
+
+    A new tensor per capacity, at the same address, so views taken before a growth stay
+    valid; not one over the whole range, which ``torch.save``, pickling or ``deepcopy`` of any
+    view would read in full (gigabytes of address space for a kilobyte view). The tensor holds
+    the mapping alive (buffer export) while any view exists, so a view that outlives a
+    release reads zeroed pages, never unmapped memory.
+    """
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+
+
 def _give_back(block: Block, start: int, end: int) -> None:
     """Return the committed pages of ``block`` in [start, end) to the system."""
     assert start % PAGE == 0, start
@@ -210,14 +223,12 @@ class ReservedBackend(Backend):
         mapping = self._map(nbytes)
         if mapping is None:
             return Block(_empty(nbytes, self.device), nbytes)
-        # The tensor holds the mapping alive (buffer export) for as long as any view exists,
-        # so a view that outlives a release reads zeroed pages instead of unmapped memory.
-        return Block(torch.frombuffer(mapping, dtype=torch.uint8), nbytes, mapping)
+        return Block(window(mapping, nbytes), nbytes, mapping)
 
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         if isinstance(block.handle, mmap.mmap) and nbytes <= len(block.handle):
             _check_committable(nbytes, self.device)
-            return Block(block.tensor, nbytes, block.handle), 0
+            return Block(window(block.handle, nbytes), nbytes, block.handle), 0
         # Past the range: move, as a moving allocator does. The old range is not zeroed:
         # views taken before keep reading the old bytes, and it goes with the last of them.
         new = self._allocate(nbytes)
@@ -230,7 +241,7 @@ class ReservedBackend(Backend):
             new.tensor[:keep].copy_(block.tensor[:keep])
             return new, keep
         _give_back(block, nbytes, block.capacity)
-        return Block(block.tensor, nbytes, block.handle), 0
+        return Block(window(block.handle, nbytes), nbytes, block.handle), 0
 
     def _free(self, block: Block) -> None:
         _give_back(block, 0, block.capacity)
