@@ -17,23 +17,25 @@ next to its target.
 
     python benchmarks/bench_cuda.py [--quick] [--json results.json] [--device cuda:0]
 
-Without a GPU it prints a "skipped" line and exits 0. ``run(quick)`` is the entry point for
-other tools (a ``sharedmem bench`` command).
+Without a GPU it prints a "skipped" line and exits 0. ``measure`` returns the full records
+(built only by the ``*_record`` functions below), ``rows`` turns them into the table's rows,
+and ``run`` does both for ``python -m sharedmem bench``.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Progress, Row, cheapest_empty, growth_rows, row, script_main
 
 import sharedmem as sm
 
@@ -100,21 +102,24 @@ def bench_bandwidth(device: str, backend: str, size: int, reps: int) -> list[Res
     for direction, ours, baseline in (("h2d", upload, raw_upload), ("d2h", download, raw_download)):
         ours(), baseline()  # warm-up
         t_ours, t_torch = _interleaved(ours, baseline, reps)
-        results.append(
-            {
-                "bench": "bandwidth",
-                "direction": direction,
-                "backend": backend,
-                "bytes": size,
-                "ours_s": t_ours,
-                "torch_s": t_torch,
-                "ours_gbps": size / t_ours / 1e9,
-                "torch_gbps": size / t_torch / 1e9,
-                "ratio": t_torch / t_ours,  # our share of the baseline's bandwidth
-                "target": ">= 0.80",
-            }
-        )
+        results.append(bandwidth_record(direction, backend, size, t_ours, t_torch))
     return results
+
+
+def bandwidth_record(
+    direction: str, backend: str, size: int, ours_s: float, torch_s: float
+) -> Result:
+    return {
+        "bench": "bandwidth",
+        "direction": direction,
+        "backend": backend,
+        "bytes": size,
+        "ours_s": ours_s,
+        "torch_s": torch_s,
+        "ours_gbps": size / ours_s / 1e9,
+        "torch_gbps": size / torch_s / 1e9,
+        "ratio": torch_s / ours_s,  # our share of the baseline's bandwidth
+    }
 
 
 def _grow_once(device: str, backend: str, size: int) -> Result:
@@ -134,44 +139,64 @@ def _grow_once(device: str, backend: str, size: int) -> Result:
     m.set_size(2 * size)
     seconds = _timed(m.mutable_device_data, device)
     peak = (meter.peak if meter is not None else torch.cuda.max_memory_allocated(device)) - base
-    result = {
-        "seconds": seconds,
-        "copied": m.grow_copy_bytes,
-        "peak_over_new": peak / m.device_capacity,
-        "used_delta": free_before - torch.cuda.mem_get_info(device)[0],
-    }
+    result = growth_sample(
+        seconds=seconds,
+        copied=m.grow_copy_bytes,
+        peak=peak,
+        capacity=m.device_capacity,
+        used_delta=free_before - torch.cuda.mem_get_info(device)[0],
+        stable=m.placement.device_backend.stable_address,
+    )
     m.release()
     return result
 
 
-def bench_growth(device: str, size: int, reps: int) -> list[Result]:
+def growth_sample(
+    *, seconds: float, copied: int, peak: int, capacity: int, used_delta: int, stable: bool
+) -> Result:
+    """One growth: its time, bytes copied, peak device bytes, new capacity, the change of
+    ``torch.cuda.mem_get_info`` (a cross-check of the peak that needs no meter), and whether
+    the backend keeps addresses stable."""
+    return {
+        "seconds": seconds,
+        "copied": copied,
+        "peak": peak,
+        "capacity": capacity,
+        "used_delta": used_delta,
+        "stable": stable,
+    }
+
+
+def bench_growth(device: str, size: int, reps: int, progress: Progress) -> list[Result]:
     backends = _backends(device)
     runs: dict[str, list[Result]] = {b: [] for b in backends}
     for rep in range(reps + 1):  # the first round warms up and is dropped
         for backend in backends if rep % 2 else backends[::-1]:
-            run = _grow_once(device, backend, size)
+            sample = _grow_once(device, backend, size)
             if rep:
-                runs[backend].append(run)
+                runs[backend].append(sample)
+        progress.tick(f"growth: round {rep + 1}/{reps + 1}")
     baseline = statistics.median(r["seconds"] for r in runs["torch"])
-    results = []
-    for backend, samples in runs.items():
-        seconds = statistics.median(r["seconds"] for r in samples)
-        results.append(
-            {
-                "bench": "growth",
-                "backend": backend,
-                "bytes": size,
-                "grown_to": 2 * size,
-                "ours_s": seconds,
-                "torch_s": baseline,
-                "ratio": seconds / baseline,
-                "copied_bytes": statistics.median(r["copied"] for r in samples),
-                "peak_over_new": max(r["peak_over_new"] for r in samples),
-                "used_delta_bytes": statistics.median(r["used_delta"] for r in samples),
-                "target": "copied 0, peak_over_new 1.0" if backend == "vmm" else "",
-            }
-        )
-    return results
+    return [growth_record(backend, size, samples, baseline) for backend, samples in runs.items()]
+
+
+def growth_record(backend: str, size: int, samples: list[Result], torch_s: float) -> Result:
+    """The growths of one backend from ``size`` to ``2 * size``: medians, and the worst peak."""
+    seconds = statistics.median(r["seconds"] for r in samples)
+    return {
+        "bench": "growth",
+        "backend": backend,
+        "stable_address": all(r["stable"] for r in samples),
+        "bytes": size,
+        "grown_to": 2 * size,
+        "ours_s": seconds,
+        "torch_s": torch_s,
+        "ratio": seconds / torch_s,
+        "copied_bytes": statistics.median(r["copied"] for r in samples),
+        "peak_bytes": max(r["peak"] for r in samples),
+        "capacity_bytes": max(r["capacity"] for r in samples),
+        "used_delta_bytes": statistics.median(r["used_delta"] for r in samples),
+    }
 
 
 def bench_view(device: str, backend: str, size: int, reps: int, calls: int) -> Result:
@@ -188,85 +213,95 @@ def bench_view(device: str, backend: str, size: int, reps: int, calls: int) -> R
         return timed
 
     ours = loop(m.mutable_device_data)
-    baseline = loop(lambda: torch.empty(size, dtype=torch.uint8, device=device))
+    # The same bytes as float32, spelled as cheaply as torch allows (a prebuilt torch.device).
+    baseline = loop(cheapest_empty((size // 4,), device))
     ours(), baseline()
     t_ours, t_torch = _interleaved(ours, baseline, reps)
+    return view_record(backend, size, t_ours, t_torch)
+
+
+def view_record(backend: str, size: int, ours_s: float, torch_s: float) -> Result:
     return {
         "bench": "view",
         "backend": backend,
         "bytes": size,
-        "ours_s": t_ours,
-        "torch_s": t_torch,
-        "ratio": t_ours / t_torch,
-        "target": "<= 1.0",
+        "ours_s": ours_s,
+        "torch_s": torch_s,
+        "ratio": ours_s / torch_s,
     }
 
 
-def run(quick: bool = False, device: str = "cuda") -> list[Result]:
-    """Every measurement on ``device``; an empty list where no CUDA GPU is usable."""
+def measure(quick: bool, device: str, progress: Progress | None = None) -> list[Result]:
+    """Every measurement on ``device``, as full records; ``[]`` where no CUDA GPU is usable."""
     if not torch.cuda.is_available():
         return []
+    progress = progress or Progress.quiet()
     device = sm.SyncedMemory(device=device).device  # "cuda" -> "cuda:N", checked
     sizes = [16 * MiB] if quick else [MiB, 16 * MiB, 256 * MiB]
     reps = 7 if quick else 31
-    stamp = {
-        "gpu": torch.cuda.get_device_name(device),
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-    }
     results: list[Result] = []
     for backend in _backends(device):
         for size in sizes:
+            progress.say(f"cuda: bandwidth {backend} {size // MiB} MiB ...")
             results += bench_bandwidth(device, backend, size, reps)
+        progress.say(f"cuda: view {backend} 64 MiB ...")
         results.append(bench_view(device, backend, 64 * MiB, reps, 200 if quick else 2000))
-    results += bench_growth(device, 64 * MiB if quick else 512 * MiB, 3 if quick else 9)
-    return [{**r, **stamp} for r in results]
+    progress.say("cuda: growth ...")
+    results += bench_growth(device, 64 * MiB if quick else 512 * MiB, 3 if quick else 9, progress)
+    return results
 
 
-def report(results: list[Result]) -> str:
-    lines = []
+def rows(results: list[Result]) -> list[Row]:
+    """The table's rows: the figure each DESIGN §7 target is about, with its verdict, and the
+    rest of each record for orientation."""
+    table: list[Row] = []
     for r in results:
+        mib = r["bytes"] >> 20
         if r["bench"] == "bandwidth":
-            lines.append(
-                f"bandwidth {r['direction']} {r['backend']:<6} {r['bytes'] // MiB:>5} MiB  "
-                f"{r['ours_gbps']:7.2f} GB/s vs torch {r['torch_gbps']:7.2f} GB/s  "
-                f"ratio {r['ratio']:.2f} (target {r['target']})"
+            table.append(
+                row(
+                    f"sync {r['direction']} {r['backend']} {mib} MiB (GB/s)",
+                    r["ours_gbps"],
+                    "GB/s",
+                    baseline=r["torch_gbps"],
+                    target=">= 0.80x raw pinned copy",
+                    ok=r["ratio"] >= 0.8,
+                )
             )
         elif r["bench"] == "view":
-            lines.append(
-                f"view      {r['backend']:<6} {r['bytes'] // MiB:>5} MiB  "
-                f"{r['ours_s'] * 1e6:7.2f} us vs torch.empty {r['torch_s'] * 1e6:7.2f} us  "
-                f"ratio {r['ratio']:.2f} (target {r['target']})"
+            table.append(
+                row(
+                    f"pool view {r['backend']} {mib} MiB (cuda)",
+                    r["ours_s"],
+                    "s",
+                    baseline=r["torch_s"],
+                    target="<= 1.0x torch.empty",
+                    ok=r["ratio"] <= 1.0,
+                )
             )
         else:
-            lines.append(
-                f"growth    {r['backend']:<6} {r['bytes'] // MiB:>5} -> "
-                f"{r['grown_to'] // MiB} MiB  "
-                f"{r['ours_s'] * 1e3:8.2f} ms (x{r['ratio']:.2f} of torch)  "
-                f"copied {int(r['copied_bytes']):,} B  peak/new {r['peak_over_new']:.2f}  "
-                f"device used +{int(r['used_delta_bytes']):,} B"
-            )
-    if results:
-        lines.append(f"on {results[0]['gpu']}, {results[0]['date']}, torch {results[0]['torch']}")
-    return "\n".join(lines)
+            label = f"growth {r['backend']} {mib}->{r['grown_to'] >> 20} MiB"
+            table += [
+                row(f"{label}: time vs torch", r["ours_s"], "s", baseline=r["torch_s"]),
+                *growth_rows(
+                    label,
+                    r["copied_bytes"],
+                    r["peak_bytes"],
+                    r["capacity_bytes"],
+                    r["stable_address"],
+                ),
+                row(f"{label}: device used (mem_get_info)", r["used_delta_bytes"], "bytes"),
+            ]
+    return table
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--device", default="cuda", help="cuda or cuda:N")
-    args = parser.parse_args(argv)
-    results = run(args.quick, args.device)
-    if results:
-        print(report(results))
-    else:
-        print("bench_cuda: skipped: no CUDA GPU (torch.cuda.is_available() is False)")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(results, out, indent=2)
-    return 0
+def run(quick: bool = False, device: str = "cuda", progress: Progress | None = None) -> list[Row]:
+    return rows(measure(quick, device, progress))
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    return script_main(__doc__, run, "CUDA backends on {device}", argv, device="cuda")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

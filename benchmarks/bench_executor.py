@@ -15,7 +15,6 @@ Two ordinary models, a small CNN (conv, relu, max-pool, linear, cross-entropy) a
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Row, interleaved, print_rows, row, write_json
+from harness import Progress, Row, interleaved, row, script_main
 
 import sharedmem as sm
 
@@ -74,7 +73,7 @@ def _sync(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
 
-def step_times(name: str, device: str, batch: int, quick: bool) -> list[Row]:
+def step_times(name: str, device: str, batch: int, quick: bool, progress: Progress) -> list[Row]:
     """Median time of a train step and of an eval forward, eager and pooled."""
     make, loss_fn, data = _case(name, device)
     torch.manual_seed(0)
@@ -107,10 +106,18 @@ def step_times(name: str, device: str, batch: int, quick: bool) -> list[Row]:
 
     rounds, number = (10, 3) if quick else (40, 5)
     train = interleaved(
-        {"eager": eager_train, "pooled": pooled_train}, rounds=rounds, number=number
+        {"eager": eager_train, "pooled": pooled_train},
+        rounds=rounds,
+        number=number,
+        progress=progress,
+        label=f"{name} train step",
     )
     evaluation = interleaved(
-        {"eager": eager_eval, "pooled": pooled_eval}, rounds=rounds, number=number
+        {"eager": eager_eval, "pooled": pooled_eval},
+        rounds=rounds,
+        number=number,
+        progress=progress,
+        label=f"{name} eval forward",
     )
     train_ratio = train["pooled"] / train["eager"]
     label = f"{name} b{batch} ({device})"
@@ -127,12 +134,13 @@ def step_times(name: str, device: str, batch: int, quick: bool) -> list[Row]:
     ]
 
 
-def memory(name: str, device: str, batch: int) -> list[Row]:
+def memory(name: str, device: str, batch: int, progress: Progress) -> list[Row]:
     """Eval sharing, steady state and the liveness saving, in pool bytes."""
     make, loss_fn, data = _case(name, device)
     rows = []
     reserved = {}
     for plan in ("per_node", "liveness"):
+        progress.say(f"executor: {name} memory, plan {plan} ...")
         torch.manual_seed(0)
         model = make()
         pool = sm.BufferPool(device)
@@ -142,6 +150,7 @@ def memory(name: str, device: str, batch: int) -> list[Row]:
         reserved[plan] = train_bytes = pool.stats()["reserved_bytes"]
         model.eval()
         for b in (batch, batch // 2, 1):
+            progress.tick(f"{name} eval sharing ({plan})")
             fwd(data(b)[0])
         eval_added = pool.stats()["reserved_bytes"] - train_bytes
         rows.append(
@@ -156,12 +165,14 @@ def memory(name: str, device: str, batch: int) -> list[Row]:
         )
         sizes = [batch, batch // 2 + 1, batch]
         for b in sizes:  # every signature once
+            progress.tick(f"{name} warm-up ({plan})")
             model.train()
             step(*data(b))
             model.eval()
             fwd(data(b)[0])
         before = pool.stats()
         for b in sizes * 3:
+            progress.tick(f"{name} steady state ({plan})")
             model.train()
             step(*data(b))
             model.eval()
@@ -191,32 +202,20 @@ def memory(name: str, device: str, batch: int) -> list[Row]:
     return rows
 
 
-def run(quick: bool = False, device: str = "cpu") -> list[Row]:
+def run(quick: bool = False, device: str = "cpu", progress: Progress | None = None) -> list[Row]:
     """Every figure of this benchmark, as rows (``--quick``: fewer repetitions)."""
+    progress = progress or Progress.quiet()
     rows: list[Row] = []
     for name in ("cnn", "mlp"):
-        rows += step_times(name, device, 64, quick)
-        rows += memory(name, device, 64)
+        progress.say(f"executor: {name} step times ...")
+        rows += step_times(name, device, 64, quick, progress)
+        rows += memory(name, device, 64, progress)
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    rows = run(args.quick, args.device)
-    print_rows(f"pooled executor vs eager PyTorch ({torch.get_num_threads()} threads)", rows)
-    if args.json:
-        write_json(
-            args.json,
-            rows,
-            device=args.device,
-            torch=torch.__version__,
-            threads=torch.get_num_threads(),
-        )
-    return rows
+    title = f"pooled executor vs eager PyTorch on {{device}} ({torch.get_num_threads()} threads)"
+    return script_main(__doc__, run, title, argv)
 
 
 if __name__ == "__main__":

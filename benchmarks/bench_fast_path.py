@@ -9,14 +9,13 @@ The hot path of a custom loop asks the pool for every activation of every step. 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Row, interleaved, print_rows, row, write_json
+from harness import Progress, Row, cheapest_empty, interleaved, row, script_main
 
 import sharedmem as sm
 
@@ -27,29 +26,23 @@ CASES = {
 }
 
 
-def run(quick: bool = False, device: str = "cpu") -> list[Row]:
+def run(quick: bool = False, device: str = "cpu", progress: Progress | None = None) -> list[Row]:
     pool = sm.BufferPool(device)
-    torch_device = "cpu" if device in ("cpu", "emulated") else device
+    cuda = device.startswith("cuda")
     rows = []
-    for label, numel, target in CASES["cpu" if torch_device == "cpu" else "cuda"]:
+    for label, numel, target in CASES["cuda" if cuda else "cpu"]:
         shape = (numel,)
         pool.tensor(label, shape)  # warm: the buffer exists and the fast path is primed
 
         def pooled(label: str = label, shape: tuple[int] = shape) -> torch.Tensor:
             return pool.tensor(label, shape)
 
-        # The baseline in its cheapest spelling: on CPU without a device argument.
-        def empty(shape: tuple[int] = shape) -> torch.Tensor:
-            return (
-                torch.empty(shape)
-                if torch_device == "cpu"
-                else torch.empty(shape, device=torch_device)
-            )
-
         times = interleaved(
-            {"pool": pooled, "empty": empty},
+            {"pool": pooled, "empty": cheapest_empty(shape, device)},
             rounds=10 if quick else 40,
             number=200 if quick else 1000,
+            progress=progress,
+            label=f"pool.tensor {label}",
         )
         ratio = times["pool"] / times["empty"]
         rows.append(
@@ -66,16 +59,7 @@ def run(quick: bool = False, device: str = "cpu") -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    rows = run(args.quick, args.device)
-    print_rows("view acquisition, steady state (median per call)", rows)
-    if args.json:
-        write_json(args.json, rows, device=args.device, torch=torch.__version__)
-    return rows
+    return script_main(__doc__, run, "view acquisition on {device}, steady state", argv)
 
 
 if __name__ == "__main__":

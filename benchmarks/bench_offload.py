@@ -15,9 +15,7 @@ Without a GPU it says it skipped the GPU figures and exits 0; ``--device emulate
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import statistics
 import sys
 import time
@@ -27,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Row, print_rows, row, write_json
+from harness import Progress, Row, row, script_main
 
 import sharedmem as sm
 
@@ -81,7 +79,12 @@ def _cases(pool: sm.BufferPool, cuda: bool) -> dict[str, Context]:
 
 
 def _measure(
-    model: torch.nn.Module, x: torch.Tensor, cases: dict[str, Context], rounds: int, cuda: bool
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    cases: dict[str, Context],
+    rounds: int,
+    cuda: bool,
+    progress: Progress,
 ) -> tuple[dict[str, float], dict[str, int]]:
     """Median step seconds and peak activation bytes of each case, interleaved."""
 
@@ -91,7 +94,7 @@ def _measure(
             loss = model(x).float().square().mean()
         loss.backward()
 
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
     for context in cases.values():  # warm-up: allocator caches, pinned growth, cuDNN plans
         for _ in range(2):
             step(context)
@@ -110,10 +113,11 @@ def _measure(
             times[name].append(time.perf_counter() - start)
             if cuda:
                 peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() - base)
+        progress.tick(f"offload: round {index + 1}/{rounds}")
     return {name: statistics.median(v) for name, v in times.items()}, peaks
 
 
-def run(quick: bool = False, device: str = "cuda") -> list[Row]:
+def run(quick: bool = False, device: str = "cuda", progress: Progress | None = None) -> list[Row]:
     """The figures on ``device``; ``[]`` for a CUDA device where no GPU is usable.
 
     On ``cpu`` / ``emulated`` only step times of the small workloads are reported, for
@@ -123,18 +127,20 @@ def run(quick: bool = False, device: str = "cuda") -> list[Row]:
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         return []
+    progress = progress or Progress.quiet()
     pool = sm.BufferPool(device)
     torch_device = device if cuda else "cpu"
     cases = _cases(pool, cuda)
     rows: list[Row] = []
     rounds = 5 if quick else 15
     for label, (make, shape) in workloads(quick or not cuda).items():
+        progress.say(f"offload: {label} ...")
         torch.manual_seed(0)
         model = make().to(torch_device)
         x = torch.randn(shape, device=torch_device)
-        times, peaks = _measure(model, x, cases, rounds, cuda)
+        times, peaks = _measure(model, x, cases, rounds, cuda, progress)
         grows = pool.stats()["num_grows"]
-        _measure(model, x, {"save_on_pool": cases["save_on_pool"]}, 2, cuda)
+        _measure(model, x, {"save_on_pool": cases["save_on_pool"]}, 2, cuda, progress)
         host_grows = pool.stats()["num_grows"] - grows
         rows += _rows(label, device, times, peaks, pool, host_grows, cuda)
         del model, x
@@ -206,30 +212,9 @@ def _rows(
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    meta: dict[str, object] = {
-        "device": args.device,
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
-        "quick": args.quick,
-    }
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("activation offload: skipped: needs CUDA (no usable GPU on this machine)")
-        if args.json:
-            write_json(args.json, [], skipped="needs CUDA", **meta)
-        return []
-    if args.device.startswith("cuda"):
-        meta["gpu"] = torch.cuda.get_device_name(args.device)
-    rows = run(args.quick, args.device)
-    title = f"activation offload on {meta.get('gpu', args.device)}, {meta['date']} (median step)"
-    print_rows(title, rows)
-    if args.json:
-        write_json(args.json, rows, **meta)
-    return rows
+    return script_main(
+        __doc__, run, "activation offload on {device} (median step)", argv, device="cuda"
+    )
 
 
 if __name__ == "__main__":

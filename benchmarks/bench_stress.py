@@ -1,30 +1,35 @@
 """Randomized stress: verified operations a minute, and mismatches (DESIGN §7: at least
 100,000 verified operations a minute, zero mismatches).
 
-Runs ``python -m sharedmem stress`` for a fixed time on the device and reports its rate.
+Runs ``python -m sharedmem stress`` for a fixed time on the device and reports its rate; the
+runner's status line is the progress.
 
     python benchmarks/bench_stress.py [--quick] [--device emulated] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Row, print_rows, row, write_json
+from harness import Progress, Row, row, script_main
 
 from sharedmem._stress import StressConfig, run_stress
 
 
-def run(quick: bool = False, device: str = "emulated") -> list[Row]:
+def run(
+    quick: bool = False, device: str = "emulated", progress: Progress | None = None
+) -> list[Row]:
+    progress = progress or Progress.quiet()
+    out = io.StringIO()  # the runner's report and summary: the rows below say the same
     result = run_stress(
-        StressConfig(device, seconds=10.0 if quick else 60.0, seed=0), io.StringIO(), io.StringIO()
+        StressConfig(device, seconds=10.0 if quick else 60.0, seed=0), out, progress.stream()
     )
+    if result.mismatches:  # the seed and the shortest failing sequence: never swallow them
+        for line in out.getvalue().splitlines():
+            progress.say(line)
     return [
         row(
             f"stress: verified ops a minute ({device})",
@@ -44,16 +49,7 @@ def run(quick: bool = False, device: str = "emulated") -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", default="emulated")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    rows = run(args.quick, args.device)
-    print_rows(f"stress on {args.device}", rows)
-    if args.json:
-        write_json(args.json, rows, device=args.device, torch=torch.__version__)
-    return rows
+    return script_main(__doc__, run, "stress on {device}", argv, device="emulated")
 
 
 if __name__ == "__main__":

@@ -3,20 +3,41 @@
 Every benchmark in this folder times its case and the PyTorch baseline in the same process,
 alternating which goes first in each round, and reports the median over many rounds, so that
 drift (turbo, another process) hits both alike. Results are ``Row`` dicts that the report
-printer and ``--json`` share.
+printer and ``--json`` share; ``script_main`` is the command line every script shares.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import gc
+import io
 import json
+import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypedDict
+from typing import Protocol, TypedDict
 
-__all__ = ["Row", "interleaved", "print_rows", "row", "write_json"]
+import torch
+
+import sharedmem as sm
+
+__all__ = [
+    "Progress",
+    "Row",
+    "cheapest_empty",
+    "environment",
+    "growth_rows",
+    "interleaved",
+    "print_rows",
+    "row",
+    "row_cells",
+    "script_main",
+    "write_json",
+]
 
 
 class Row(TypedDict):
@@ -40,25 +61,136 @@ def row(
     target: str = "",
     ok: bool | None = None,
 ) -> Row:
-    ratio = None if baseline in (None, 0) else value / baseline  # type: ignore[operator]
+    ratio = None if not baseline else value / baseline
     return Row(
         name=name, value=value, baseline=baseline, ratio=ratio, unit=unit, target=target, ok=ok
     )
 
 
+def growth_rows(label: str, copied: float, peak: float, capacity: float, stable: bool) -> list[Row]:
+    """What a growth cost: bytes copied, and the peak of reserved bytes over the new capacity.
+
+    One definition for every device and backend. A stable-address backend maps more memory
+    behind the same addresses, so nothing is copied and the old and new blocks never coexist:
+    the peak is the new capacity. A moving backend allocates, copies and frees (old + new).
+    """
+    return [
+        row(
+            f"{label}: bytes copied",
+            copied,
+            "bytes",
+            target="== 0 (stable address)" if stable else "moving backend: copies",
+            ok=copied == 0 if stable else None,
+        ),
+        row(
+            f"{label}: peak / new capacity",
+            peak,
+            "bytes",
+            baseline=capacity,
+            target="<= 1.00x (stable address)" if stable else "moving backend: old + new",
+            ok=peak <= capacity if stable else None,
+        ),
+    ]
+
+
+def cheapest_empty(shape: tuple[int, ...], device: str) -> Callable[[], torch.Tensor]:
+    """``torch.empty`` of float32 in the cheapest spelling a careful user writes, so that a
+    baseline is not slowed in our favour: the sizes as separate ints (a tuple costs about 40%
+    more at 1 KiB), no dtype, no device argument on CPU, and on CUDA a prebuilt
+    ``torch.device`` (a string is parsed again on every call)."""
+    if not device.startswith("cuda"):
+        return lambda: torch.empty(*shape)
+    where = torch.device(device)
+    return lambda: torch.empty(*shape, device=where)
+
+
+class Progress:
+    """Progress lines for long runs, on stderr so that the table on stdout stays clean.
+
+    ``say`` prints at once (a section or a case starts); ``tick`` prints only when nothing was
+    said for ``every`` seconds, so a loop can tick every round without flooding the terminal
+    and no stretch of a run stays silent for long.
+    """
+
+    def __init__(
+        self,
+        prefix: str = "bench",
+        *,
+        write: Callable[[str], None] | None = None,
+        every: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.prefix, self.every, self.clock = prefix, every, clock
+        self.write = write if write is not None else _to_stderr
+        self.start = self.last = clock()
+
+    @classmethod
+    def quiet(cls) -> Progress:
+        """A progress that says nothing: the default of ``run()`` called from code."""
+        return cls(write=lambda line: None)
+
+    def say(self, line: str) -> None:
+        self.last = self.clock()
+        self.write(f"{self.prefix}: {line} ({self.last - self.start:.0f} s)")
+
+    def tick(self, line: str) -> None:
+        if self.clock() - self.last >= self.every:
+            self.say(line)
+
+    def stream(self) -> io.StringIO:
+        """A text stream for code that reports on a stream (the stress runner's ``err``)."""
+        return _ProgressStream(self)
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class _ProgressStream(io.StringIO):
+    """Forwards what the stress runner writes: its one-line status as ticks, the rest as is.
+
+    It answers ``isatty()`` with True so that the runner reports its status every second,
+    as ``"\\r" + line`` (``Progress.tick`` thins that out); anything else it writes (a
+    failure, the shrinking) is said in full.
+    """
+
+    def __init__(self, progress: Progress) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if text.startswith("\r") and "\n" not in text:
+            self.progress.tick(text[1:].strip())
+        else:
+            for line in text.splitlines():
+                if line.strip():
+                    self.progress.say(line.strip())
+        return len(text)
+
+
 def interleaved(
-    cases: dict[str, Callable[[], object]], *, rounds: int = 30, number: int = 200
+    cases: dict[str, Callable[[], object]],
+    *,
+    rounds: int = 30,
+    number: int = 200,
+    progress: Progress | None = None,
+    label: str = "",
 ) -> dict[str, float]:
     """Median seconds per call of each case, over ``rounds`` rounds of ``number`` calls.
 
     The order of the cases alternates from round to round; the garbage collector is off while
-    a round runs.
+    a round runs. ``progress`` hears (``tick``) after every round.
     """
     samples: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
     for case in cases.values():  # warm-up: caches, allocator, first-touch
         for _ in range(min(number, 20)):
             case()
+    if progress is not None:
+        progress.tick(f"{label}: warmed up")
     for index in range(rounds):
         order = names if index % 2 == 0 else names[::-1]
         for name in order:
@@ -70,7 +202,18 @@ def interleaved(
             elapsed = time.perf_counter_ns() - start
             gc.enable()
             samples[name].append(elapsed / number / 1e9)
+        if progress is not None:
+            progress.tick(f"{label}: round {index + 1}/{rounds}")
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def row_cells(r: Row) -> tuple[str, str, str, str, str]:
+    """The printed cells of a row: figure, value, baseline, ratio, target and verdict."""
+    value = _fmt(r["value"], r["unit"])
+    base = "" if r["baseline"] is None else _fmt(r["baseline"], r["unit"])
+    ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
+    verdict = {True: "met", False: "MISSED", None: ""}[r["ok"]]
+    return r["name"], value, base, ratio, f"{r['target']} {verdict}".strip()
 
 
 def print_rows(title: str, rows: Iterable[Row]) -> None:
@@ -80,13 +223,8 @@ def print_rows(title: str, rows: Iterable[Row]) -> None:
     width = max([len(r["name"]) for r in rows] + [6])
     print(f"  {'figure':<{width}}  {'value':>14}  {'baseline':>14}  {'ratio':>7}  target")
     for r in rows:
-        value = _fmt(r["value"], r["unit"])
-        base = "" if r["baseline"] is None else _fmt(r["baseline"], r["unit"])
-        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        verdict = {True: "met", False: "MISSED", None: ""}[r["ok"]]
-        print(
-            f"  {r['name']:<{width}}  {value:>14}  {base:>14}  {ratio:>7}  {r['target']} {verdict}"
-        )
+        name, value, base, ratio, target = row_cells(r)
+        print(f"  {name:<{width}}  {value:>14}  {base:>14}  {ratio:>7}  {target}".rstrip())
 
 
 def _fmt(value: float, unit: str) -> str:
@@ -101,5 +239,68 @@ def _fmt(value: float, unit: str) -> str:
     return f"{value:,.2f} {unit}".strip()
 
 
+def _cpu_name() -> str:
+    try:  # Linux names the model here; platform.processor() is often empty there
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: str, quick: bool) -> dict[str, object]:
+    """What a figure depends on, for the JSON and the summary line: a quick run's figures and
+    a full run's are not comparable, nor are two machines'."""
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": device,
+        "device_name": torch.cuda.get_device_name(device) if cuda else _cpu_name(),
+        "quick": quick,
+        "sharedmem": sm.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+    }
+
+
 def write_json(path: str | Path, rows: Iterable[Row], **meta: object) -> None:
     Path(path).write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=2) + "\n")
+
+
+class Run(Protocol):
+    def __call__(self, quick: bool, device: str, progress: Progress | None = None) -> list[Row]:
+        """Every figure of one benchmark on ``device``."""
+        ...
+
+
+def script_main(
+    doc: str | None, run: Run, title: str, argv: list[str] | None = None, *, device: str = "cpu"
+) -> list[Row]:
+    """The command line of every script here: ``[--quick] [--device D] [--json PATH]``.
+
+    ``title`` may name ``{device}``. A CUDA device on a machine without a usable GPU skips the
+    run with a line saying so (exit 0): the scripts stay runnable in CI everywhere.
+    """
+    summary = (doc or "").strip().splitlines()[0]
+    parser = argparse.ArgumentParser(description=summary)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--device", default=device, help="cpu, emulated, cuda or cuda:N")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+    name = Path(sys.argv[0]).stem if argv is None else parser.prog
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"{name}: skipped: no CUDA GPU (torch.cuda.is_available() is False)")
+        if args.json:
+            write_json(args.json, [], skipped="no CUDA GPU", **environment(args.device, args.quick))
+        return []
+    try:
+        where = sm.SyncedMemory(device=args.device).device  # checked, "cuda" -> "cuda:N"
+    except (sm.SharedMemError, ValueError, TypeError) as error:
+        parser.error(str(error))
+    rows = run(args.quick, where, Progress(name))
+    print_rows(title.format(device=where), rows)
+    if args.json:
+        write_json(args.json, rows, **environment(where, args.quick))
+    return rows

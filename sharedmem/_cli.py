@@ -1,13 +1,29 @@
-"""The command line: ``python -m sharedmem <command>`` (or the ``sharedmem`` script)."""
+"""The command line: ``python -m sharedmem <command>`` (or the ``sharedmem`` script).
+
+Exit status: 0 done (and every target met), 1 a run that found a problem (a missed target, a
+mismatch, a loss that did not go down), 2 bad arguments or a device this machine cannot use,
+said in one line that starts with ``sharedmem:``, never as a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ._demo import DemoConfig, run_demo
-from ._stress_cli import add_stress_command
+from ._devices import normalize_device
+from ._errors import SharedMemError
+from ._stress_cli import _count, add_stress_command
 
 __all__ = ["main"]
+
+
+def _device(text: str) -> str:
+    """An argparse type: a device this machine can use, checked before any work starts."""
+    try:
+        return normalize_device(text)
+    except (SharedMemError, ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -28,8 +44,7 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args.quick, args.device, args.json)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run the command; returns the exit status."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sharedmem", description="A capacity-aware shared-buffer memory pool for PyTorch."
     )
@@ -38,23 +53,35 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser(
         "demo", help="train and evaluate an MLP with per-net buffers, then on one shared pool"
     )
-    demo.add_argument("--device", default="cpu", help="cpu, emulated, cuda or cuda:N")
-    demo.add_argument("--steps", type=int, default=DemoConfig.steps)
-    demo.add_argument("--train-batch", type=int, default=DemoConfig.train_batch)
-    demo.add_argument("--eval-batch", type=int, default=DemoConfig.eval_batch)
-    demo.add_argument("--seed", type=int, default=DemoConfig.seed)
-    demo.add_argument("--plot", metavar="PATH", help="write the pool's memory timeline as a PNG")
+    add = demo.add_argument
+    add("--device", type=_device, default="cpu", help="cpu (default), emulated, cuda or cuda:N")
+    add("--steps", type=_count("--steps", 1), default=DemoConfig.steps, help="training steps")
+    add("--train-batch", type=_count("--train-batch", 1), default=DemoConfig.train_batch)
+    add("--eval-batch", type=_count("--eval-batch", 1), default=DemoConfig.eval_batch)
+    add("--seed", type=_count("--seed", 0), default=DemoConfig.seed)
+    add("--plot", metavar="PATH", help="write the pool's memory timeline as a PNG")
     demo.set_defaults(run=_demo)
     add_stress_command(commands)
 
     bench = commands.add_parser(
         "bench", help="measure every target of the design against its PyTorch baseline"
     )
-    bench.add_argument("--quick", action="store_true", help="fewer repetitions (< 2 minutes)")
-    bench.add_argument("--device", default="cpu", help="cpu, emulated, cuda or cuda:N")
-    bench.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    add = bench.add_argument
+    add("--quick", action="store_true", help="fewer repetitions (< 2 minutes)")
+    add("--device", type=_device, default="cpu", help="cpu (default), emulated, cuda or cuda:N")
+    add("--json", metavar="PATH", help="also write the figures and the environment as JSON")
     bench.set_defaults(run=_bench)
+    return parser
 
-    args = parser.parse_args(argv)
-    status: int = args.run(args)
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        status: int = args.run(args)
+    except SharedMemError as error:
+        # A device that went away mid-run, bench outside a source checkout: the message says
+        # what to do, a traceback would only bury it.
+        print(" ".join(str(error).split()), file=sys.stderr)
+        return 2
     return status

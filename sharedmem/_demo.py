@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -33,6 +34,26 @@ class DemoConfig:
     lr: float = 0.05
     eval_every: int = 30
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # Zero steps or an empty batch used to fail deep inside the loop (KeyError, division
+        # by zero); say what is wrong up front instead.
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.type != "int" or field.name == "seed":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(
+                    f"sharedmem: DemoConfig.{field.name} must be an int, got "
+                    f"{type(value).__name__} ({value!r}); pass a whole number >= 1"
+                )
+            if value < 1:
+                raise ValueError(
+                    f"sharedmem: DemoConfig.{field.name} must be >= 1, got {value}; pass a "
+                    "whole number >= 1"
+                )
+        if not self.lr > 0:  # NaN fails too
+            raise ValueError(f"sharedmem: DemoConfig.lr must be > 0, got {self.lr!r}")
 
 
 class SyntheticData:
@@ -145,9 +166,16 @@ class MLPNet:
 
 
 def _train(
-    config: DemoConfig, train_pool: BufferPool, eval_pool: BufferPool, log: bool
+    config: DemoConfig,
+    train_pool: BufferPool,
+    eval_pool: BufferPool,
+    log: bool,
+    progress: Callable[[int], None],
 ) -> dict[str, Any]:
-    """Train and evaluate, in phases "train" and "eval"; returns losses and accuracies."""
+    """Train and evaluate, in phases "train" and "eval"; returns losses and accuracies.
+
+    ``progress`` hears the number of each step done.
+    """
     data = SyntheticData(config)
     params = Params(BufferPool(config.device), config)
     train_net = MLPNet(train_pool, params, config.train_batch, config)
@@ -159,6 +187,7 @@ def _train(
             losses.append(train_net.forward())
             train_net.backward()
             params.sgd(config.lr)
+        progress(step + 1)
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             with eval_pool.phase("eval"):
                 eval_net.load(*data.batch(config.eval_batch))
@@ -173,11 +202,16 @@ def _train(
 
 
 def run_demo(
-    config: DemoConfig, *, verbose: bool = True, plot: str | None = None
+    config: DemoConfig,
+    *,
+    verbose: bool = True,
+    plot: str | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run both allocation schemes and print the comparison; returns every figure.
 
     With ``plot``, the shared pool records its memory timeline and writes it there as a PNG.
+    ``progress`` hears a line after every training step (the benchmark shows it when quiet).
     """
     say = print if verbose else (lambda *a, **k: None)
     started = time.perf_counter()
@@ -188,14 +222,27 @@ def run_demo(
     )
     say("\n[1/2] per-net allocation: each net owns its buffers")
     train_pool, eval_pool = BufferPool(config.device), BufferPool(config.device)
-    per_net = _train(config, train_pool, eval_pool, verbose)
+    hear = progress if progress is not None else (lambda line: None)
+    per_net = _train(
+        config,
+        train_pool,
+        eval_pool,
+        verbose,
+        lambda step: hear(f"per-net allocation, step {step}/{config.steps}"),
+    )
     per_net_bytes = (
         train_pool.stats()["device_reserved_bytes"],
         eval_pool.stats()["device_reserved_bytes"],
     )
     say("\n[2/2] one shared pool: the eval net reuses the train net's buffers by name")
     pool = BufferPool(config.device, timeline=plot is not None)
-    shared = _train(config, pool, pool, verbose)
+    shared = _train(
+        config,
+        pool,
+        pool,
+        verbose,
+        lambda step: hear(f"one shared pool, step {step}/{config.steps}"),
+    )
     shared_total = pool.stats()["device_reserved_bytes"]
     # What each phase made the pool grow by, device side (host staging is counted apart).
     phases = pool.phase_stats()

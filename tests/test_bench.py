@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from conftest import HAS_CUDA
+
+import sharedmem as sm
+from sharedmem import _bench, _cli
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_cuda  # noqa: E402
+import bench_memory  # noqa: E402
+import harness  # noqa: E402
 import suite  # noqa: E402
+
+
+def printed_row(r: harness.Row) -> re.Pattern[str]:
+    """The table line of ``r``: its name, value, baseline, ratio and verdict, in that order."""
+    cells = [re.escape(cell) for cell in harness.row_cells(r) if cell]
+    return re.compile(r"^\s+" + r"\s+".join(cells) + r"$", re.MULTILINE)
 
 
 @pytest.mark.slow
@@ -39,58 +55,187 @@ def test_bench_quick_prints_every_row_and_the_json_matches(device: str, tmp_path
     titles = [s["title"] for s in payload["sections"]]
     expected = [title for title, _, where in suite.SUITE if where == "all"]
     assert titles == expected  # every section that applies here, none that does not
-    assert payload["meta"]["device"] == device and payload["meta"]["torch"]
+    meta = payload["meta"]
+    assert meta["device"] == device and meta["quick"] is True
+    assert meta["sharedmem"] == sm.__version__ and meta["torch"] == torch.__version__
+    assert meta["python"] and meta["device_name"] and re.fullmatch(r"\d{4}-\d\d-\d\d", meta["date"])
     for section in payload["sections"]:
         assert section["rows"], section["title"]
         assert section["title"] in done.stdout
         for row in section["rows"]:
-            assert row["name"] in done.stdout  # the printed table has every figure
-            if row["ratio"] is not None:
-                assert f"{row['ratio']:.3f}" in done.stdout
+            # The printed table has every figure, with the value and ratio the JSON has.
+            assert printed_row(row).search(done.stdout), row
     names = " ".join(r["name"] for s in payload["sections"] for r in s["rows"])
     for figure in (
         "pool.tensor 1 KiB",
         "pool.tensor 64 MiB",
         "eval adds",
-        "growths after",
+        "growths in warm-up",
+        "growths after warm-up",
         "bytes copied",
         "verified ops a minute",
     ):
         assert figure in names
-    progress = [line for line in done.stdout.splitlines() if line.startswith("bench: [")]
-    assert len(progress) == len(expected)
+    # Progress goes to stderr: a line per section, and the stress runner's status during its
+    # fixed-length run (10 s), which used to be thrown away.
+    assert "bench: [" not in done.stdout
+    progress = done.stderr.splitlines()
+    starts = [i for i, line in enumerate(progress) if line.startswith("bench: [")]
+    assert len(starts) == len(expected)
+    stress = titles.index("randomized stress")
+    assert any(
+        line.startswith("bench: stress: ") for line in progress[starts[stress] : starts[stress + 1]]
+    ), done.stderr
     missed = sum(r["ok"] is False for s in payload["sections"] for r in s["rows"])
     assert done.returncode == (1 if missed else 0)
 
 
-def test_cuda_rows_are_kept_from_the_cuda_benchmark_records() -> None:
-    records = [
-        {
-            "bench": "bandwidth",
-            "direction": "h2d",
-            "backend": "vmm",
-            "bytes": 1 << 24,
-            "ours_gbps": 40.0,
-            "torch_gbps": 45.0,
-            "ratio": 40 / 45,
-        },
-        {
-            "bench": "view",
-            "backend": "vmm",
-            "bytes": 1 << 26,
-            "ours_s": 1e-6,
-            "torch_s": 2e-6,
-            "ratio": 0.5,
-        },
-        {
-            "bench": "growth",
-            "backend": "vmm",
-            "bytes": 1 << 26,
-            "grown_to": 1 << 27,
-            "copied_bytes": 0,
-            "peak_over_new": 1.0,
-        },
+def cuda_records() -> list[dict[str, Any]]:
+    """Records as bench_cuda's own builders make them: a renamed key breaks ``rows`` here."""
+
+    def sample(peak: int, copied: int, stable: bool) -> dict[str, Any]:
+        return bench_cuda.growth_sample(
+            seconds=1e-3,
+            copied=copied,
+            peak=peak,
+            capacity=128 << 20,
+            used_delta=64 << 20,
+            stable=stable,
+        )
+
+    return [
+        bench_cuda.bandwidth_record("h2d", "vmm", 1 << 24, ours_s=1e-3, torch_s=0.9e-3),
+        bench_cuda.view_record("vmm", 1 << 26, ours_s=1e-6, torch_s=2e-6),
+        bench_cuda.growth_record("vmm", 1 << 26, [sample(128 << 20, 0, True)], 2e-3),
+        bench_cuda.growth_record("torch", 1 << 26, [sample(192 << 20, 1 << 26, False)], 2e-3),
     ]
-    rows = suite._cuda_rows(records)
-    assert [r["ok"] for r in rows] == [True, True, True, True]
-    assert rows[0]["ratio"] == pytest.approx(40 / 45)
+
+
+def test_cuda_rows_come_from_the_cuda_benchmark_records() -> None:
+    rows = {r["name"]: r for r in bench_cuda.rows(cuda_records())}
+    bandwidth = rows["sync h2d vmm 16 MiB (GB/s)"]
+    assert bandwidth["ratio"] == pytest.approx(0.9) and bandwidth["ok"] is True
+    assert rows["pool view vmm 64 MiB (cuda)"]["ok"] is True
+    assert rows["growth vmm 64->128 MiB: bytes copied"]["ok"] is True
+    assert rows["growth vmm 64->128 MiB: peak / new capacity"]["ratio"] == 1.0
+    assert rows["growth vmm 64->128 MiB: peak / new capacity"]["ok"] is True
+    moving = rows["growth torch 64->128 MiB: peak / new capacity"]
+    assert moving["ratio"] == 1.5 and moving["ok"] is None  # old + new: no target to miss
+    assert rows["growth vmm 64->128 MiB: time vs torch"]["ratio"] == pytest.approx(0.5)
+
+
+def test_growth_rows_hold_every_backend_to_one_definition() -> None:
+    stable = harness.growth_rows("g", copied=0, peak=100, capacity=100, stable=True)
+    assert [r["ok"] for r in stable] == [True, True]
+    worse = harness.growth_rows("g", copied=8, peak=150, capacity=100, stable=True)
+    assert [r["ok"] for r in worse] == [False, False]
+    moving = harness.growth_rows("g", copied=8, peak=150, capacity=100, stable=False)
+    assert [r["ok"] for r in moving] == [None, None] and moving[1]["ratio"] == 1.5
+
+
+def test_variable_shapes_warm_up_is_the_stream_up_to_its_longest_batch() -> None:
+    rows = {
+        r["name"]: r for r in bench_memory.variable_shapes(True, "cpu", harness.Progress.quiet())
+    }
+    lengths = [length for _, length in bench_memory._token_batches(True)]
+    warm = lengths.index(max(lengths)) + 1
+    assert 0 < warm < len(lengths) - 20  # enough steps after warm-up to mean something
+    warm_up = next(r for name, r in rows.items() if "growths in warm-up" in name)
+    after = rows[f"variable shapes: growths after warm-up (steps {warm + 1}-{len(lengths)})"]
+    # No batch at the longest length up front: the pool grows as longer batches come, more
+    # than once per buffer (4 names), and not at all once the longest has come by.
+    assert f"steps 1-{warm}" in warm_up["name"] and warm_up["value"] > 4
+    assert after["value"] == 0 and after["ok"] is True
+    assert rows["variable shapes: reserved / high-water marks"]["ok"] is True
+
+
+def test_the_baseline_is_spelled_as_cheaply_as_torch_allows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: calls.append((a, k)))
+    harness.cheapest_empty((4, 8), "cpu")()
+    harness.cheapest_empty((4, 8), "cuda:0")()
+    assert calls[0] == ((4, 8), {})  # ints, not a tuple; no device argument on CPU
+    assert calls[1][0] == (4, 8)
+    assert calls[1][1]["device"] == torch.device("cuda:0")
+    assert isinstance(calls[1][1]["device"], torch.device)  # not a string parsed every call
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_ticks_at_most_every_few_seconds_and_says_at_once() -> None:
+    clock, lines = Clock(), []
+    progress = harness.Progress("bench", write=lines.append, every=3.0, clock=clock)
+    progress.say("[1/2] section ...")
+    for _ in range(10):  # a loop ticking 10 times in 2.5 s is not heard: a line was just said
+        clock.now += 0.25
+        progress.tick("round")
+    clock.now += 0.5
+    progress.tick("round 11")
+    progress.tick("round 12")  # heard just now
+    clock.now += 5.0
+    progress.say("[2/2] next ...")
+    assert lines == [
+        "bench: [1/2] section ... (0 s)",
+        "bench: round 11 (3 s)",
+        "bench: [2/2] next ... (8 s)",
+    ]
+
+
+def test_progress_stream_passes_on_the_stress_status_and_every_failure() -> None:
+    clock, lines = Clock(), []
+    stream = harness.Progress("bench", write=lines.append, clock=clock).stream()
+    assert stream.isatty()  # so the stress runner reports every second
+    clock.now += 5
+    stream.write("\rstress: 1,000 ops, 0 mismatches")
+    stream.write("\rstress: 1,100 ops, 0 mismatches")  # too soon after the last line
+    stream.write("\nstress: failure at op 7 (copy): wrong byte\nstress: shrinking ...\n")
+    assert lines == [
+        "bench: stress: 1,000 ops, 0 mismatches (5 s)",
+        "bench: stress: failure at op 7 (copy): wrong byte (5 s)",
+        "bench: stress: shrinking ... (5 s)",
+    ]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU path")
+def test_bench_on_a_cuda_device_without_a_gpu_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _cli.main(["bench", "--quick", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert "sharedmem: device 'cuda' is not usable here" in err and "Traceback" not in err
+
+
+def test_a_sharedmem_error_during_a_run_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(quick: bool, device: str, json_path: str | None) -> int:
+        raise sm.SharedMemError("sharedmem: bench needs the benchmarks/ folder;\nclone it")
+
+    monkeypatch.setattr(_bench, "run_bench", broken)
+    assert _cli.main(["bench", "--quick"]) == 2
+    assert capsys.readouterr().err == "sharedmem: bench needs the benchmarks/ folder; clone it\n"
+
+
+def test_every_script_shares_one_command_line(tmp_path: Path) -> None:
+    out = tmp_path / "fast.json"
+    rows = harness.script_main(
+        "doc line\n",
+        lambda quick, device, progress=None: [harness.row("x", 1.0, "")],
+        "t {device}",
+        ["--quick", "--device", "emulated", "--json", str(out)],
+    )
+    payload = json.loads(out.read_text())
+    assert payload["rows"] == rows and payload["meta"]["quick"] is True
+    assert payload["meta"]["device"] == "emulated"
+    for script in ROOT.glob("benchmarks/bench_*.py"):  # no script keeps an argparse of its own
+        assert "argparse" not in script.read_text(), script.name

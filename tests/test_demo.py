@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import HAS_CUDA
 
 import sharedmem as sm
+from sharedmem._cli import main
 from sharedmem._demo import DemoConfig, run_demo
 
 
@@ -40,3 +42,54 @@ def test_python_m_sharedmem_demo_runs() -> None:
 def test_cli_without_a_command_says_how_to_use_it() -> None:
     done = subprocess.run([sys.executable, "-m", "sharedmem"], capture_output=True, text=True)
     assert done.returncode == 2 and "usage: sharedmem" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--steps", "-3"], "--steps must be >= 1, got -3"),
+        (["--train-batch", "0"], "--train-batch must be >= 1, got 0"),
+        (["--eval-batch", "0"], "--eval-batch must be >= 1, got 0"),
+        (["--device", "tpu"], "sharedmem: unknown device 'tpu'"),
+        pytest.param(
+            ["--device", "cuda"],
+            "sharedmem: device 'cuda' is not usable here",
+            marks=pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU path"),
+        ),
+    ],
+)
+def test_demo_refuses_bad_arguments_before_any_work(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", *argv])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err
+    assert out == ""  # refused before the demo printed anything
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("steps", 0, ValueError),
+        ("train_batch", -1, ValueError),
+        ("eval_batch", 0, ValueError),
+        ("eval_every", 0, ValueError),
+        ("steps", 2.5, TypeError),
+        ("hidden", True, TypeError),
+        ("lr", 0.0, ValueError),
+    ],
+)
+def test_demo_config_says_what_is_wrong(field: str, value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match=rf"^sharedmem: DemoConfig\.{field} must be"):
+        DemoConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_demo_reports_progress_after_every_step() -> None:
+    heard: list[str] = []
+    run_demo(DemoConfig(steps=3, eval_every=3), verbose=False, progress=heard.append)
+    assert heard == [
+        *(f"per-net allocation, step {k}/3" for k in (1, 2, 3)),
+        *(f"one shared pool, step {k}/3" for k in (1, 2, 3)),
+    ]
