@@ -196,39 +196,30 @@ class FaultyBackend(BackendAdaptor):
         super()._free(block)
         self.live -= block.capacity
 
-    def _copy_fault(self, direction: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _copy(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        to_device: bool,
+        stream: object,
+        asynchronous: bool,
+    ) -> Fence | None:
+        # Both directions come through here (``Backend.upload`` and ``download`` call it).
         n = dst.numel()
         ordinal = self.injector._fire("copy", n)
         if ordinal:
             half = n // 2
             dst[:half].copy_(src[:half])  # a copy that died midway leaves a torn prefix
+            direction = "host to device" if to_device else "device to host"
             raise SharedMemError(
                 f"sharedmem: injected fault: copy #{ordinal} ({direction}, {n:,} bytes) failed "
                 "halfway. It was injected by a FaultInjector for testing; nothing was lost, and "
                 "the next access copies again. Remove the injector to stop these failures."
             )
-
-    def upload(
-        self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        stream: object = None,
-        asynchronous: bool = False,
-    ) -> Fence | None:
-        self._copy_fault("host to device", dst, src)
-        return super().upload(dst, src, stream=stream, asynchronous=asynchronous)
-
-    def download(
-        self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        stream: object = None,
-        asynchronous: bool = False,
-    ) -> Fence | None:
-        self._copy_fault("device to host", dst, src)
-        return super().download(dst, src, stream=stream, asynchronous=asynchronous)
+        return super()._copy(
+            dst, src, to_device=to_device, stream=stream, asynchronous=asynchronous
+        )
 
 
 class CorruptingBackend(BackendAdaptor):
@@ -257,31 +248,21 @@ class CorruptingBackend(BackendAdaptor):
                 self._flip(new.tensor, keep // 2)
         return new, copied
 
-    def _corrupt(self, dst: torch.Tensor, fence: Fence | None) -> None:
+    def _copy(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        to_device: bool,
+        stream: object,
+        asynchronous: bool,
+    ) -> Fence | None:
+        fence = super()._copy(
+            dst, src, to_device=to_device, stream=stream, asynchronous=asynchronous
+        )
         if fence is not None:
             fence.wait_host()  # the copy must land before its bytes are spoiled
         self.copies += 1
         if dst.numel() and self.copies % self.every == 0:
             self._flip(dst, dst.numel() // 2)
-
-    def upload(
-        self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        stream: object = None,
-        asynchronous: bool = False,
-    ) -> Fence | None:
-        self._corrupt(dst, super().upload(dst, src, stream=stream, asynchronous=asynchronous))
-        return None
-
-    def download(
-        self,
-        dst: torch.Tensor,
-        src: torch.Tensor,
-        *,
-        stream: object = None,
-        asynchronous: bool = False,
-    ) -> Fence | None:
-        self._corrupt(dst, super().download(dst, src, stream=stream, asynchronous=asynchronous))
         return None

@@ -1,13 +1,23 @@
 """``python -m sharedmem stress``: the command line of the stress runner.
 
 Only argparse is needed to build the parser; the runner is imported when the command runs.
+
+Exit status: 0 when every operation was verified and none failed; 1 on a mismatch, or when the
+run verified no operation at all (a ``--seconds`` too short to finish one: a run that checked
+nothing must not pass); 2 for bad arguments. With ``--self-check`` the point is to see the
+planted corruption caught: 0 when it was, 1 when the run ended without catching it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the runner is imported when the command runs, not to build the parser
+    from ._stress import StressConfig, StressResult
 
 __all__ = ["add_stress_command"]
 
@@ -15,6 +25,13 @@ _SCALE = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 # The run holds its noise (max-bytes of random bytes) and a model of every buffer in memory;
 # past a GiB a buffer says nothing a smaller one would not, and the run would mostly page.
 _MOST = 1 << 30
+# Workers are threads of one process on a few cores: past a few hundred they only queue for
+# the GIL and the pool's locks, and a round would spend its time starting them.
+_MOST_THREADS = 256
+# Each round builds a fresh pool of every buffer and reads all of them back at its end (about
+# 60 us a buffer); past these counts a round is mostly that, and a short run never ends on time.
+_MOST_BUFFERS = 4096  # per worker
+_MOST_IN_ALL = 16_384  # threads times buffers
 
 
 def _count(what: str, minimum: int, most: int | None = None) -> Callable[[str], int]:
@@ -60,6 +77,46 @@ def _number(what: str, low: float, high: float | None, *, open_low: bool) -> Cal
     return parse
 
 
+def _memory() -> int | None:
+    """Bytes this process may use: physical memory, or less under an address-space limit
+    (``ulimit -v``); ``None`` where the system does not say."""
+    try:
+        most = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    try:
+        import resource  # POSIX only
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):
+        return most
+    return most if soft == resource.RLIM_INFINITY else min(most, soft)
+
+
+def _size_check(args: argparse.Namespace, two_sided: bool) -> str | None:
+    """Why the run's buffers cannot fit, or None. What the options bound one by one is not
+    enough: threads times buffers times max-bytes is what the run may come to hold."""
+    private = args.threads * args.buffers
+    if private > _MOST_IN_ALL:
+        return (
+            f"sharedmem: --threads {args.threads} with --buffers {args.buffers} makes "
+            f"{private:,} buffers, more than {_MOST_IN_ALL:,}; use fewer threads or buffers"
+        )
+    count = private + (max(1, args.buffers // 2) if args.threads > 1 else 0)  # + shared
+    # Each buffer has a data and a gradient memory; at its largest each is held by the model
+    # and by each side of the pool.
+    worst = count * 2 * args.max_bytes * (3 if two_sided else 2)
+    memory = _memory()
+    if memory is not None and worst > memory:
+        return (
+            f"sharedmem: {count:,} buffers of up to {args.max_bytes:,} bytes may come to hold "
+            f"{worst:,} bytes (data and gradient, in the model and on each side), more than "
+            f"the {memory:,} bytes this process may use; use fewer buffers or a smaller "
+            "--max-bytes"
+        )
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
     # Imported here: building the parser must not pay for the runner.
     from ._backends import resolve
@@ -68,27 +125,70 @@ def _run(args: argparse.Namespace) -> int:
 
     parser: argparse.ArgumentParser = args.parser
     try:  # an unusable device or an unknown backend is a usage error, said before any work
-        resolve(args.device, args.backend)
+        placement = resolve(args.device, args.backend)
     except (SharedMemError, ValueError, TypeError) as error:
         parser.error(str(error))
+    problem = _size_check(args, placement.accel is not None)
+    if problem is not None:
+        parser.error(problem)
     if args.self_check:
-        print("stress: self-check: a deliberately broken backend flips bits; this run must fail")
-    result = run_stress(
-        StressConfig(
-            device=args.device,
-            backend=args.backend,
-            seconds=args.seconds,
-            ops=args.ops,
-            seed=args.seed,
-            threads=args.threads,
-            buffers=args.buffers,
-            max_bytes=args.max_bytes,
-            limit=args.limit,
-            faults=args.faults,
-            self_check=args.self_check,
-        )
+        print("stress: self-check: a deliberately broken backend flips bits; the run must catch it")
+    config = StressConfig(
+        device=args.device,
+        backend=args.backend,
+        seconds=args.seconds,
+        ops=args.ops,
+        seed=args.seed,
+        threads=args.threads,
+        buffers=args.buffers,
+        max_bytes=args.max_bytes,
+        limit=args.limit,
+        faults=args.faults,
+        self_check=args.self_check,
     )
-    return 1 if result.mismatches else 0
+    try:
+        result = run_stress(config)
+    except MemoryError as error:  # the machine's limit, not a finding: one line, no traceback
+        said = " ".join(str(error).split()) or "no detail"
+        memory = _memory()
+        print(
+            f"sharedmem: the stress run ran out of memory ({type(error).__name__}: {said}); "
+            + (f"this process may use {memory:,} bytes. " if memory is not None else "")
+            + "Use fewer buffers or a smaller --max-bytes, or give the process more memory.",
+            file=sys.stderr,
+        )
+        return 1
+    return _verdict(config, result)
+
+
+def _verdict(config: StressConfig, result: StressResult) -> int:
+    """The exit status of a finished run (see the module's docstring), said on stderr where it
+    is not the plain one."""
+    failure = result.failure
+    if config.self_check:
+        if failure is None:
+            print(
+                f"stress: self-check FAILED: {result.ops:,} verified ops and the broken backend "
+                "was not caught (it spoils every 3rd copy or growth: give the run more "
+                "operations)",
+                file=sys.stderr,
+            )
+            return 1
+        print(
+            f"stress: self-check passed: the broken backend was caught at op {failure.op_number:,}",
+            file=sys.stderr,
+        )
+        return 0
+    if result.mismatches:
+        return 1
+    if result.ops == 0:
+        print(
+            "stress: FAILED: no operation was verified (--seconds ran out before the first "
+            "finished); give the run more time",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def add_stress_command(commands: Any) -> None:
@@ -102,7 +202,9 @@ def add_stress_command(commands: Any) -> None:
             "growth past a limit), checked against a reference model of the invariant "
             "(every byte reads back the last value written to it, from either side). On a "
             "mismatch it prints the seed, the operation number and the shortest operation "
-            "sequence that still fails, and exits 1."
+            "sequence that still fails, and exits 1; a run that verified no operation exits 1 "
+            "too. With --self-check it exits 0 when the planted corruption was caught, 1 when "
+            "it was not."
         ),
     )
     add = stress.add_argument
@@ -116,8 +218,18 @@ def add_stress_command(commands: Any) -> None:
     )
     add("--ops", type=_count("--ops", 1), default=None, help="stop after this many operations")
     add("--seed", type=_count("--seed", 0), default=0, help="everything random follows from it")
-    add("--threads", type=_count("--threads", 1), default=1, help="workers sharing the pool")
-    add("--buffers", type=_count("--buffers", 1), default=8, help="buffers per worker")
+    add(
+        "--threads",
+        type=_count("--threads", 1, _MOST_THREADS),
+        default=1,
+        help=f"workers sharing the pool (at most {_MOST_THREADS})",
+    )
+    add(
+        "--buffers",
+        type=_count("--buffers", 1, _MOST_BUFFERS),
+        default=8,
+        help=f"buffers per worker (at most {_MOST_BUFFERS:,}; threads x buffers {_MOST_IN_ALL:,})",
+    )
     add(
         "--max-bytes",
         type=_count("--max-bytes", 1, _MOST),
@@ -143,6 +255,7 @@ def add_stress_command(commands: Any) -> None:
         "--self-check",
         action="store_true",
         help="break the pool on purpose (a bit flips in every 3rd copy and growth) to watch "
-        "the runner catch it and shrink it to a few operations; such a run exits 1",
+        "the runner catch it and shrink it to a few operations; exits 0 when it was caught, "
+        "1 when it was not",
     )
     stress.set_defaults(run=_run, parser=stress)

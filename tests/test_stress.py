@@ -8,7 +8,7 @@ import io
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -20,12 +20,16 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from sharedmem._backends import Backend
 from sharedmem._cli import main
-from sharedmem._faults import FAULT_KINDS, CorruptingBackend
+from sharedmem._errors import OutOfMemoryError
+from sharedmem._faults import FAULT_KINDS, CorruptingBackend, FaultInjector
+from sharedmem._pool import BufferPool
 from sharedmem._stress import StressConfig, StressResult, run_stress
-from sharedmem._stress._checks import StressFailure
+from sharedmem._stress._checks import StressFailure, check_pool
 from sharedmem._stress._exec import Executor, RoundSpec
+from sharedmem._stress._model import MemoryModel
 from sharedmem._stress._ops import DTYPES, KINDS, WHOLE, Op, describe
 from sharedmem._stress._shrink import shrink
+from sharedmem._synced import SyncedMemory
 
 SUMMARY = re.compile(r"^stress: (\d+) verified ops, (\d+) mismatches, seed (\d+), device (\S+)$")
 
@@ -45,6 +49,27 @@ def summary(text: str) -> tuple[int, int, int, str]:
 
 def flip_every_copy(upstream: Backend) -> Backend:
     return CorruptingBackend(upstream, every=1)
+
+
+def halve_the_size_after(copy: Callable[..., None]) -> Callable[..., None]:
+    """A deliberate bug: an asynchronous copy that also halves the memory's logical size.
+
+    Nothing shows at once (every accessor sets the size again before it reads), but the next
+    shrink_to_fit drops half of what the memory holds.
+    """
+
+    def drifting(self: SyncedMemory, stream: object = None) -> None:
+        copy(self, stream)
+        with self._lock:
+            self._size //= 2
+
+    return drifting
+
+
+@pytest.fixture
+def size_drift(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("push_async", "pull_async"):
+        monkeypatch.setattr(SyncedMemory, name, halve_the_size_after(getattr(SyncedMemory, name)))
 
 
 # ---- hypothesis: the pool API against the model ------------------------------------------
@@ -211,6 +236,66 @@ def test_threads_over_private_and_shared_buffers_are_fully_verified(device: str,
     assert "w3.b0" in names and "shared.b0" in names
 
 
+@pytest.mark.parametrize(("device", "threads"), [("cpu", 1), ("emulated", 1), ("emulated", 3)])
+@pytest.mark.usefixtures("size_drift")
+def test_a_logical_size_no_call_set_is_caught(device: str, threads: int, seed: int) -> None:
+    # The model keeps every memory's size itself; a model that took it from the memory would
+    # follow the drift and then forget the bytes shrink_to_fit drops along with the pool.
+    result, out = run(StressConfig(device=device, ops=5000, seed=seed, threads=threads))
+    failure = result.failure
+    assert failure is not None and failure.category == "size", out[-2000:]
+    assert failure.reproduced and 2 <= len(failure.shrunk) <= 4, failure.shrunk
+    assert any("_async()" in line for line in failure.shrunk), failure.shrunk
+    assert result.mismatches == 1 and summary(out)[1] == 1
+    assert "but the calls so far set it to" in failure.message
+
+
+def test_the_model_allows_the_sizes_the_hot_path_may_leave() -> None:
+    # pool.tensor on a cache hit leaves the gradient memory at the size another blob sharing
+    # it set; on a miss it applies the blob's. Either is right; the model must accept both.
+    ex = Executor(RoundSpec("emulated", "reserved", ("a", "b"), 1 << 12), NOISE)
+    for op in (
+        Op("reshape", 0, shape=(100,)),
+        Op("tensor", 0, stop=WHOLE),
+        Op("share", 1, True, other=0),
+        Op("reshape", 1, shape=(50,)),  # the shared gradient memory takes 50 bytes
+        Op("write", 1, True, stop=WHOLE),
+        Op("tensor", 0, stop=WHOLE),
+        Op("shrink", 0, True),
+        Op("read", 1, True, "host"),
+    ):
+        ex.execute(op)
+    ex.sweep()
+    grad = ex.blobs[0].grad_memory
+    assert grad is ex.blobs[1].grad_memory and grad.size == ex.model.blobs[0].grad.size
+
+
+def test_threads_check_the_ledger_while_a_round_runs(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def counting(pool: BufferPool, memories: Sequence[SyncedMemory], limit: int | None) -> None:
+        calls.append(len(memories))
+        check_pool(pool, memories, limit)
+
+    monkeypatch.setattr("sharedmem._stress._exec.check_pool", counting)
+    config = StressConfig(device="emulated", ops=2000, seed=seed, threads=3, check_every=100)
+    result, out = run(config)
+    assert result.failure is None and result.rounds == 1, out[-2000:]
+    # One check every 100 operations, with the pool to itself; two more in the final sweep.
+    assert len(calls) == 2000 // 100 + 2
+
+
+def test_an_allocator_that_runs_out_ends_the_run_instead_of_failing_it(seed: int) -> None:
+    # Not the runner's injector: to the runner this is the machine running out, which says
+    # nothing about the pool, so the run ends rather than reporting and shrinking a mismatch.
+    exhausted = FaultInjector(allocate=3)
+    with pytest.raises(OutOfMemoryError):
+        run(StressConfig(device="emulated", ops=2000, seed=seed, adaptors=(exhausted,)))
+    assert [fault.kind for fault in exhausted.fired] == ["allocate"]
+
+
 def test_the_same_seed_makes_the_same_run(seed: int) -> None:
     first, _ = run(StressConfig(device="emulated", ops=1500, seed=seed, faults=0.1))
     second, _ = run(StressConfig(device="emulated", ops=1500, seed=seed, faults=0.1))
@@ -293,14 +378,56 @@ def test_the_command_runs_and_ends_with_the_summary_line() -> None:
     assert "BufferPool on cpu" in done.stdout
 
 
-def test_the_command_exits_non_zero_on_a_mismatch_and_prints_how_to_replay_it() -> None:
+@pytest.mark.usefixtures("size_drift")
+def test_the_command_exits_1_on_a_mismatch_and_prints_how_to_replay_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["stress", "--device", "emulated", "--ops", "5000", "--seed", "1"]) == 1
+    out = capsys.readouterr().out
+    assert summary(out)[1:] == (1, 1, "emulated")
+    assert "MISMATCH at op" in out and "shortest failing sequence" in out
+    assert "to run again: python -m sharedmem stress --device emulated --seed 1 --ops" in out
+
+
+def test_a_self_check_passes_when_the_corruption_is_caught() -> None:
     done = cli("--device", "emulated", "--ops", "5000", "--seed", "1", "--self-check")
-    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert summary(done.stdout)[1:] == (1, 1, "emulated")
     assert "MISMATCH at op" in done.stdout and "shortest failing sequence" in done.stdout
-    assert "to run again: python -m sharedmem stress --device emulated --seed 1 --ops" in (
-        done.stdout
+    assert "stress: self-check passed: the broken backend was caught at op" in done.stderr
+
+
+def test_a_self_check_that_caught_nothing_says_so_and_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # One operation cannot reach the broken backend's third copy or growth.
+    assert main(["stress", "--device", "emulated", "--ops", "1", "--self-check"]) == 1
+    captured = capsys.readouterr()
+    assert summary(captured.out)[:2] == (1, 0)
+    assert "stress: self-check FAILED: 1 verified ops and the broken backend was not caught" in (
+        captured.err
     )
+
+
+def test_running_out_of_memory_is_said_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def exhausted(self: MemoryModel, view: np.ndarray) -> None:
+        raise MemoryError(f"Unable to allocate {len(view):,} bytes")
+
+    monkeypatch.setattr(MemoryModel, "adopt", exhausted)
+    assert main(["stress", "--device", "cpu", "--ops", "100"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sharedmem: the stress run ran out of memory (MemoryError: Unable to")
+    assert "Traceback" not in err and "MISMATCH" not in err
+
+
+def test_a_run_that_verified_nothing_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    # Building the first pool takes far longer than a microsecond: the clock runs out first.
+    assert main(["stress", "--ops", "5", "--seconds", "0.000001"]) == 1
+    captured = capsys.readouterr()
+    assert summary(captured.out)[:2] == (0, 0)
+    assert "stress: FAILED: no operation was verified" in captured.err
 
 
 @pytest.mark.parametrize(
@@ -312,6 +439,10 @@ def test_the_command_exits_non_zero_on_a_mismatch_and_prints_how_to_replay_it() 
         (["--max-bytes", "12Q"], "--max-bytes takes a whole number"),
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--backend", "vmm"], "unknown backend 'vmm' for device 'emulated'"),
+        (["--threads", "100000"], "--threads must be at most 256, got 100000"),
+        (["--buffers", "100000000"], "--buffers must be at most 4,096, got 100000000"),
+        (["--threads", "256", "--buffers", "4096"], "makes 1,048,576 buffers, more than 16,384"),
+        (["--buffers", "4096", "--max-bytes", "1G"], "more than the"),
     ],
 )
 def test_bad_arguments_get_a_clear_message(

@@ -21,6 +21,7 @@ __all__ = [
     "StressFailure",
     "check_memory",
     "check_pool",
+    "check_size",
     "compare",
     "read_back",
     "round_up",
@@ -57,13 +58,26 @@ def compare(got: np.ndarray, want: np.ndarray, what: str) -> None:
         )
 
 
+def check_size(memory: SyncedMemory, model: MemoryModel) -> None:
+    """The memory's logical size is the one the calls so far set (the model's)."""
+    with memory._lock:
+        if memory.size != model.size:
+            raise StressFailure(
+                "size",
+                f"{memory.name!r} has size {memory.size:,}, but the calls so far set it to "
+                f"{model.size:,}",
+            )
+
+
 def check_memory(memory: SyncedMemory, model: MemoryModel) -> None:
     """What holds between any two operations, checked on the raw blocks.
 
-    Every side holds the newest value of every byte below its ``valid`` mark, the head side(s)
-    hold all of them, and the memory has not forgotten a byte the model still knows.
+    The size is the model's, every side holds the newest value of every byte below its
+    ``valid`` mark, the head side(s) hold all of them, and the memory has not forgotten a byte
+    the model still knows.
     """
     with memory._lock:
+        check_size(memory, model)
         written = model.written
         if memory._written < written:
             raise StressFailure(
@@ -120,11 +134,10 @@ def check_pool(pool: BufferPool, memories: Sequence[SyncedMemory], limit: int | 
 
 def read_back(pairs: Sequence[tuple[SyncedMemory, MemoryModel]]) -> None:
     """Read every byte each model knows from both sides of its memory, through the accessors
-    (which sync and may grow a side), and put each size back as it was."""
+    (which sync and may grow a side), and put each size back as the model has it."""
     for memory, model in pairs:
-        size = memory.size
-        memory.set_size(max(size, model.written))
+        memory.set_size(max(model.size, model.written))
         for side, read in (("host", memory.host_data), ("device", memory.device_data)):
             got = to_numpy(read()[: model.written])
             compare(got, model.content, f"final {side} read of {memory.name!r}")
-        memory.set_size(size)
+        memory.set_size(model.size)

@@ -1,27 +1,25 @@
 """Runs operations on a real pool and on the reference model, and checks that they agree.
 
 Every operation is checked as it runs: the bytes a read returns against the model, the size of
-every view, the head after a write, the capacities after a shrink or a release, and every error:
-an injected failure must surface as the right error, a limit refusal must be justified by the
-numbers it carries, and a refused growth must leave capacities as they were. After every
-operation, failed or not, the raw blocks of the memory it touched are compared with the model
-as well (see ``_checks``), so a broken state is caught by the operation that broke it.
+every view, the head after a write, the capacities after a shrink or a release, and every error
+(judged in ``_judge``: an injected failure must surface as the right error, a limit refusal
+must be justified by the numbers it carries, a refused growth must leave capacities as they
+were). After every operation, failed or not, the logical sizes of the blob's memories are
+compared with the sizes the model says the calls set, and the raw blocks of the memory it
+touched with the model's bytes (see ``_checks``), so a broken state is caught by the operation
+that broke it.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import torch
 
 from .._backends import Backend
 from .._blob import Blob
-from .._errors import OutOfMemoryError, SharedMemError
 from .._faults import FaultInjector
 from .._pool import BufferPool
 from .._synced import Head, SyncedMemory
@@ -29,18 +27,17 @@ from ._checks import (
     StressFailure,
     check_memory,
     check_pool,
+    check_size,
     compare,
     read_back,
     round_up,
     to_numpy,
 )
+from ._judge import Judge, caps
 from ._model import MemoryModel, PoolModel
 from ._ops import Op
 
 __all__ = ["Executor", "RoundSpec"]
-
-T = TypeVar("T")
-_Caps = tuple[int, int]
 
 _ACCESS: dict[tuple[bool, str, bool], Callable[[Blob], torch.Tensor]] = {
     (False, "device", False): Blob.data,
@@ -63,10 +60,6 @@ class RoundSpec:
     names: tuple[str, ...]
     max_bytes: int
     limit: int | None = None
-
-
-def _caps(memory: SyncedMemory) -> _Caps:
-    return memory.host_capacity, memory.device_capacity
 
 
 def _as_bytes(view: torch.Tensor) -> torch.Tensor:
@@ -101,9 +94,7 @@ class Executor:
         self.two_sided = self.pool.device != "cpu"
         self.blobs = [self.pool.blob(name, (0,), torch.uint8) for name in spec.names]
         self.model = PoolModel(len(spec.names), spec.max_bytes)
-        self.faults = 0  # injected failures that surfaced as they should
-        self.refusals = 0  # growths the limit refused, rightly
-        self._count_lock = threading.Lock()
+        self.judge = Judge(self.injector, self.pool)
         self._handlers: dict[str, Callable[[Op], None]] = {
             "reshape": self._reshape,
             "write": self._write,
@@ -120,18 +111,35 @@ class Executor:
             "limit": self._limit,
         }
 
+    @property
+    def faults(self) -> int:
+        """Injected failures that surfaced as they should."""
+        return self.judge.faults
+
+    @property
+    def refusals(self) -> int:
+        """Growths the limit refused, rightly."""
+        return self.judge.refusals
+
     def execute(self, op: Op) -> None:
         """Run ``op`` on the pool and the model; raise ``StressFailure`` where they differ.
 
-        Then the raw blocks of the memory it touched (of every memory, for the whole-pool
-        operations) are compared with the model, so a broken state is caught where it starts.
+        Then the raw blocks and the size of the memory it touched (of every memory, for the
+        whole-pool operations) are compared with the model, and the size of the blob's other
+        memory too, so a broken state is caught where it starts.
         """
         self._handlers[op.kind](op)
         if op.kind in ("trim", "pool_release"):
             for memory, mm in self.pairs():
                 check_memory(memory, mm)
+            return
+        blob, model = self.blobs[op.blob], self.model.blobs[op.blob]
+        if op.grad:
+            check_memory(blob.grad_memory, model.grad)
+            check_size(blob.data_memory, model.data)
         else:
-            check_memory(*self._pair(op))
+            check_memory(blob.data_memory, model.data)
+            check_size(blob.grad_memory, model.grad)
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -154,76 +162,6 @@ class Executor:
             raise StressFailure("sharing", "blobs share a memory the model says they do not")
         return list(seen.values())
 
-    def _guard(
-        self, op: Op, memory: SyncedMemory | None, call: Callable[[], T]
-    ) -> tuple[bool, T | None]:
-        """Run ``call`` with the op's fault armed; an error it raises must be one we expect.
-
-        Returns ``(True, result)``, or ``(False, None)`` when it was rightly refused. The
-        memory's own (re-entrant) lock is held from the capacities before to the check after,
-        so that a reader in another thread cannot grow the memory in between.
-        """
-        injector = self.injector
-        fired = injector.fired_here()
-        with nullcontext() if memory is None else memory._lock:
-            before = (0, 0) if memory is None else _caps(memory)
-            try:
-                if op.fault is None:
-                    result = call()
-                else:
-                    with injector.armed(*op.fault):
-                        result = call()
-            except SharedMemError as error:  # OutOfMemoryError included
-                self._refused(memory, before, error, injector.fired_here() - fired)
-                return False, None
-        if injector.fired_here() != fired:
-            raise StressFailure(
-                "fault", f"an injected {injector.last_here()} failure was swallowed"
-            )
-        return True, result
-
-    def _refused(
-        self, memory: SyncedMemory | None, before: _Caps, error: SharedMemError, injected: int
-    ) -> None:
-        """An operation raised ``error``: it must be the injected fault, or a justified limit
-        refusal; a refused growth must have left the memory's capacities as they were."""
-        oom = error if isinstance(error, OutOfMemoryError) else None
-        if injected > 1:
-            raise StressFailure("fault", f"{injected} faults fired in one operation, armed one")
-        if injected:
-            kind = self.injector.last_here()
-            # Allocation, growth and shrink fail as the allocator would (no limit involved);
-            # a copy fails as a device error that no freeing of memory can fix.
-            if (oom is None) != (kind == "copy") or (oom is not None and oom.limit is not None):
-                raise StressFailure(
-                    "fault",
-                    f"an injected {kind} failure surfaced as {type(error).__name__}: {error}",
-                )
-            with self._count_lock:  # workers share the executor
-                self.faults += 1
-            growth = kind in ("allocate", "grow")
-        else:
-            if oom is None or oom.limit is None:
-                raise StressFailure("error", f"unexpected {type(error).__name__}: {error}")
-            old = before[1] if memory is not None else 0  # the limited side's capacity
-            if (
-                oom.limit != self.pool.limit
-                or oom.requested <= old
-                or oom.reserved - old + oom.requested <= oom.limit
-            ):
-                raise StressFailure(
-                    "limit",
-                    f"a growth within the limit was refused (old capacity {old:,}): {error}",
-                )
-            with self._count_lock:
-                self.refusals += 1
-            growth = True
-        if memory is not None and growth and _caps(memory) != before:
-            raise StressFailure(
-                "capacity",
-                f"a refused growth changed capacities from {before} to {_caps(memory)}",
-            )
-
     def _check_view(self, view: torch.Tensor, memory: SyncedMemory, nbytes: int) -> torch.Tensor:
         raw = _as_bytes(view)
         if raw.numel() != nbytes or memory.size != nbytes:
@@ -239,32 +177,53 @@ class Executor:
     def _reshape(self, op: Op) -> None:
         blob, model = self.blobs[op.blob], self.model.blobs[op.blob]
         data, grad = blob.data_memory, blob.grad_memory
-        before = _caps(data) + _caps(grad)
+        before = caps(data) + caps(grad)
         blob.astype(op.dtype).reshape(op.shape)
-        model.reshape(op.shape, op.dtype)
-        if data.size != model.nbytes or grad.size != model.nbytes or blob.nbytes != model.nbytes:
-            raise StressFailure("size", f"reshape to {op.shape} left sizes {data.size:,}")
-        if _caps(data) + _caps(grad) != before:
+        model.reshape(op.shape, op.dtype)  # the sizes of both memories: checked after the op
+        if blob.nbytes != model.nbytes:
+            raise StressFailure("size", f"reshape to {op.shape} made {blob.nbytes:,} bytes")
+        if caps(data) + caps(grad) != before:
             raise StressFailure("capacity", "reshape changed a capacity: it must be O(1)")
 
     def _write(self, op: Op) -> None:
         blob, model = self.blobs[op.blob], self.model.blobs[op.blob]
-        memory, mm = self._pair(op)
+        memory, mm = self._pair(op)[0], model.access(op.grad)
         access = _ACCESS[op.grad, op.side, True]
-        _, view = self._guard(op, memory, lambda: access(blob))
+        _, view = self.judge.guard(op, memory, lambda: access(blob))
         if view is None:
             return
         self._write_through(op, memory, mm, view, model.nbytes)
 
     def _tensor(self, op: Op) -> None:
-        model = self.model.blobs[op.blob]
-        memory, mm = self.blobs[op.blob].data_memory, model.data
+        blob, model = self.blobs[op.blob], self.model.blobs[op.blob]
+        memory = blob.data_memory
+        before = model.data.size, model.grad.size
         name = self.spec.names[op.blob]
         get = self.pool.host_tensor if op.side == "host" else self.pool.tensor
-        _, view = self._guard(op, memory, lambda: get(name, model.shape, model.dtype))
+        ok, view = self.judge.guard(op, memory, lambda: get(name, model.shape, model.dtype))
+        # The hot path serves a cached view (sizes untouched), or applies shape and dtype to
+        # the blob (both memories take its size) and accesses the data; a refused request
+        # puts the sizes back. So a size is the one before or the blob's, and the data's is
+        # the blob's once a view was served; the two differ only for a memory shared with a
+        # blob of another size. Anything else is a drift the model does not follow.
+        nbytes = model.nbytes
+        self._settle_size(memory, model.data, (nbytes,) if ok else (before[0], nbytes))
+        self._settle_size(blob.grad_memory, model.grad, (before[1], nbytes))
         if view is None:
             return
-        self._write_through(op, memory, mm, view, model.nbytes)
+        self._write_through(op, memory, model.data, view, nbytes)
+
+    @staticmethod
+    def _settle_size(memory: SyncedMemory, mm: MemoryModel, legal: tuple[int, ...]) -> None:
+        """The model takes the memory's size where a call may legally leave any of ``legal``."""
+        got = memory.size
+        if got not in legal:
+            raise StressFailure(
+                "size",
+                f"{memory.name!r} has size {got:,} after pool.tensor; the calls so far allow "
+                f"only {' or '.join(f'{n:,}' for n in sorted(set(legal)))}",
+            )
+        mm.size = got
 
     def _write_through(
         self, op: Op, memory: SyncedMemory, mm: MemoryModel, view: torch.Tensor, nbytes: int
@@ -287,9 +246,9 @@ class Executor:
 
     def _read(self, op: Op) -> None:
         blob, model = self.blobs[op.blob], self.model.blobs[op.blob]
-        memory, mm = self._pair(op)
+        memory, mm = self._pair(op)[0], model.access(op.grad)
         access = _ACCESS[op.grad, op.side, False]
-        _, view = self._guard(op, memory, lambda: access(blob))
+        _, view = self.judge.guard(op, memory, lambda: access(blob))
         if view is None:
             return
         raw = self._check_view(view, memory, model.nbytes)
@@ -314,18 +273,19 @@ class Executor:
 
     def _shrink(self, op: Op) -> None:
         memory, mm = self._pair(op)
-        size, before, reserved = memory.size, _caps(memory), memory.reserved_bytes
-        ok, freed = self._guard(op, memory, memory.shrink_to_fit)
-        mm.truncate(size)  # dropped as asked, even where it failed midway
+        # At the model's size: a memory whose size drifted drops bytes the model keeps.
+        size, before, reserved = mm.size, caps(memory), memory.reserved_bytes
+        ok, freed = self.judge.guard(op, memory, memory.shrink_to_fit)
+        mm.truncate()  # dropped as asked, even where it failed midway
         if ok:
             placement = memory.placement
             grains = (placement.host.granularity, placement.device_backend.granularity)
             want = tuple(min(c, round_up(size, g)) for c, g in zip(before, grains, strict=True))
-            if _caps(memory) != want or freed != reserved - memory.reserved_bytes:
+            if caps(memory) != want or freed != reserved - memory.reserved_bytes:
                 raise StressFailure(
                     "capacity",
                     f"shrink_to_fit at size {size:,} took capacities {before} to "
-                    f"{_caps(memory)} (want {want}), returned {freed:,}",
+                    f"{caps(memory)} (want {want}), returned {freed:,}",
                 )
 
     def _release(self, op: Op) -> None:
@@ -333,30 +293,30 @@ class Executor:
         reserved = memory.reserved_bytes
         freed = memory.release()
         mm.release()
-        if freed != reserved or _caps(memory) != (0, 0) or memory.head is not Head.UNINITIALIZED:
+        if freed != reserved or caps(memory) != (0, 0) or memory.head is not Head.UNINITIALIZED:
             raise StressFailure("capacity", f"release returned {freed:,} of {reserved:,}")
 
     def _release_side(self, op: Op) -> None:
         memory, _ = self._pair(op)
-        before = _caps(memory)
+        before = caps(memory)
         call = memory.release_host if op.side == "host" else memory.release_device
-        ok, _ = self._guard(op, memory, call)
-        if ok and self.two_sided and _caps(memory)[op.side == "device"] != 0:
-            raise StressFailure("capacity", f"release_{op.side} left {_caps(memory)}")
-        if ok and not self.two_sided and _caps(memory) != before:
+        ok, _ = self.judge.guard(op, memory, call)
+        if ok and self.two_sided and caps(memory)[op.side == "device"] != 0:
+            raise StressFailure("capacity", f"release_{op.side} left {caps(memory)}")
+        if ok and not self.two_sided and caps(memory) != before:
             raise StressFailure("capacity", f"release_{op.side} on cpu freed memory")
 
     def _push_pull(self, op: Op) -> None:
         memory, _ = self._pair(op)
         call = memory.push_async if op.kind == "push" else memory.pull_async
-        self._guard(op, memory, call)
+        self.judge.guard(op, memory, call)
 
     def _trim(self, op: Op) -> None:
-        pairs = [(memory, mm, memory.size) for memory, mm in self.pairs()]
+        pairs = self.pairs()
         reserved = self.pool._ledger.total
-        ok, freed = self._guard(op, None, self.pool.trim)
-        for _, mm, size in pairs:
-            mm.truncate(size)
+        ok, freed = self.judge.guard(op, None, self.pool.trim)
+        for _, mm in pairs:
+            mm.truncate()  # at the model's sizes, as in ``_shrink``
         if ok and freed != reserved - self.pool._ledger.total:
             raise StressFailure("ledger", f"trim returned {freed:,} but the ledger says otherwise")
 
@@ -380,11 +340,11 @@ class Executor:
         try:
             self._reshape(op)
             memory, _ = self._pair(op)
-            before = _caps(memory)
+            before = caps(memory)
             self._write(op)
-            if _caps(memory)[1] > before[1]:
+            if caps(memory)[1] > before[1]:
                 raise StressFailure(
-                    "limit", f"the limited side grew past the limit: {before} -> {_caps(memory)}"
+                    "limit", f"the limited side grew past the limit: {before} -> {caps(memory)}"
                 )
         finally:
             self.pool.set_limit(old)

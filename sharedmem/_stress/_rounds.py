@@ -102,8 +102,16 @@ class Run:
 
 
 def as_failure(error: BaseException) -> StressFailure:
+    """What an error an operation or check raised says about the pool.
+
+    A ``MemoryError`` (the pool's ``OutOfMemoryError`` from a real allocator included) says
+    nothing about it: the machine ran out, and shrinking would only run out again. It is
+    raised again, to end the run (the command line says so in one line).
+    """
     if isinstance(error, StressFailure):
         return error
+    if isinstance(error, MemoryError):
+        raise error
     where = traceback.extract_tb(error.__traceback__)[-1]
     return StressFailure(
         f"error:{type(error).__name__}",

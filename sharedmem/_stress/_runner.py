@@ -73,6 +73,10 @@ def run_stress(
         config: the run.
         out, err: where to print (default: ``sys.stdout`` and ``sys.stderr``).
 
+    Raises:
+        MemoryError: the machine ran out of memory (an allocator failure no fault injected,
+            or the runner's own arrays): that says nothing about the pool, so it ends the run.
+
     Example::
 
         >>> import io

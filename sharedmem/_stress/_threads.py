@@ -4,7 +4,9 @@ A shared buffer is read by many workers at once and written by one at a time (wr
 on one buffer race on its bytes, as on a tensor: that is the caller's to avoid, not the pool's);
 operations on the whole pool run alone. Every operation is logged under its locks, so the log
 is an order the operations could have run in one after another, and a failure replays on one
-thread from it.
+thread from it. Every ``check_every`` operations a worker takes the pool alone, as a whole-pool
+operation does, and checks every memory and the ledger: with no operation in flight, the
+ledger's figures and the memories' capacities must agree exactly.
 """
 
 from __future__ import annotations
@@ -75,10 +77,14 @@ class _ThreadedRound:
         self.stop = threading.Event()
         self.errors: list[tuple[int, StressFailure, bool]] = []  # (index, failure, during)
         self.done = [0] * run.config.threads
+        self.out_of_memory: MemoryError | None = None  # raised by ``play`` (see ``as_failure``)
 
     def worker(self, w: int, quota: int) -> None:
         try:
             self._work(w, quota)
+        except MemoryError as error:
+            self.out_of_memory = error
+            self.stop.set()
         except BaseException as error:  # a failure must stop the round, whatever raised it
             with self.log_lock:
                 self.errors.append((len(self.log) - 1, as_failure(error), True))
@@ -110,6 +116,20 @@ class _ThreadedRound:
                     self.stop.set()
                     return
             self.done[w] += 1
+            if (index + 1) % self.run.config.check_every == 0 and not self._check():
+                return
+
+    def _check(self) -> bool:
+        """The periodic whole-pool check, with the pool to itself; False if it failed."""
+        with self.pool_lock.writing():
+            # Holding the pool alone: every logged operation has finished, none has begun.
+            try:
+                self.ex.check()
+            except Exception as error:
+                self.errors.append((len(self.log) - 1, as_failure(error), False))
+                self.stop.set()
+                return False
+        return True
 
     def play(self, quota: int) -> None:
         t, r = self.run.config.threads, self.run.result
@@ -126,6 +146,8 @@ class _ThreadedRound:
                 r.faults, r.refusals = faults + self.ex.faults, refusals + self.ex.refusals
                 self.run.progress(base + sum(self.done))
         r.ops = base + sum(self.done)
+        if self.out_of_memory is not None:
+            raise self.out_of_memory
         if not self.errors:
             try:
                 self.ex.sweep()
