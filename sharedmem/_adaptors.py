@@ -168,12 +168,19 @@ class LimitedBackend(BackendAdaptor):
         self.device_name = device
 
     @contextmanager
-    def _within_limit(self, old: int, new: int) -> Iterator[None]:
+    def _within_limit(self, freed: int, new: int, held: int) -> Iterator[None]:
+        """Allow a growth to ``new`` bytes that gives back ``freed`` and holds ``held`` old
+        bytes on top of the new block while it runs (a moving growth copies from the old)."""
         with self.ledger.lock:  # held across the growth: two threads cannot both pass
             limit = self.limit()
             reserved = self.ledger.device_reserved
-            if limit is not None and reserved - old + new > limit:
+            if limit is not None and reserved - freed + held + new > limit:
                 detail = self.explain(self.label, False)
+                if held:
+                    detail = (
+                        f"this backend moves when it grows: the old {held:,} bytes and the "
+                        f"new {new:,} are held at once while it copies\n{detail}"
+                    )
                 raise OutOfMemoryError(new, reserved, limit, self.device_name, detail)
             try:
                 yield
@@ -187,9 +194,11 @@ class LimitedBackend(BackendAdaptor):
                 ) from None
 
     def _allocate(self, nbytes: int) -> Block:
-        with self._within_limit(0, nbytes):
+        with self._within_limit(0, nbytes, 0):
             return super()._allocate(nbytes)
 
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
-        with self._within_limit(block.capacity, nbytes):
+        # The limit caps what is held at any moment, the peak of a moving growth included.
+        held = 0 if self.stable_address else block.capacity
+        with self._within_limit(block.capacity, nbytes, held):
             return super()._grow(block, nbytes, keep)

@@ -106,3 +106,28 @@ def test_a_view_carries_its_capacity_not_the_whole_range(device: str) -> None:
     assert grown.data_ptr() == view.data_ptr() and grown.untyped_storage().nbytes() == 4 * MiB
     grown[:256].fill_(2.0)
     assert view.tolist() == [2.0] * 256  # the old view sees writes made after the growth
+
+
+def test_an_address_space_limit_shrinks_the_budget_not_the_first_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Under ulimit -v the budget is a quarter of it; a refused range falls back to twice the
+    # request at once instead of halving 4 GiB down and spending the limit on a few blocks.
+    import resource
+
+    limit = address_space_reserved() + (8 << 30)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (limit, resource.RLIM_INFINITY))
+    assert host._budget() == limit // 4
+    tried: list[int] = []
+    real_mmap = mmap.mmap
+
+    def refusing(fileno: int, size: int, **kwargs: int) -> mmap.mmap:
+        tried.append(size)
+        if size > 2 * host.PAGE:
+            raise OSError(12, "Cannot allocate memory")
+        return real_mmap(fileno, size, **kwargs)
+
+    monkeypatch.setattr(host.mmap, "mmap", refusing)
+    monkeypatch.setattr(host, "ADDRESS_BUDGET", 1 << 50)
+    block = ReservedBackend(reservation=MiB).allocate(host.PAGE)
+    assert tried == [MiB, 2 * host.PAGE] and len(block.handle) == 2 * host.PAGE  # type: ignore[arg-type]

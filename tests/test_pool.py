@@ -21,14 +21,18 @@ MiB = 1 << 20
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_name_is_one_memory_grown_to_the_larger_need(device: str) -> None:
     pool = sm.BufferPool(device)
-    train = pool.tensor("fc1.out", (256, 1024))  # float32, 1 MiB
-    evaluation = pool.tensor("fc1.out", (250, 1024), torch.float64)  # 2,048,000 bytes
-    assert evaluation.dtype == torch.float64 and evaluation.shape == (250, 1024)
+    # Sized from the allocation granularity (2 MiB on a GPU with vmm), so that the float64
+    # request needs more than the float32 one was given on every backend.
+    unit = max(MiB, sm.SyncedMemory(device=device).placement.device_backend.granularity)
+    rows = unit // 4096  # rows of 1024 float32: ``unit`` bytes (1 MiB on cpu and emulated)
+    train = pool.tensor("fc1.out", (rows, 1024))
+    evaluation = pool.tensor("fc1.out", (rows - 6, 1024), torch.float64)  # almost twice
+    assert evaluation.dtype == torch.float64 and evaluation.shape == (rows - 6, 1024)
     assert len(pool) == 1 and "fc1.out" in pool and pool.names() == ["fc1.out"]
     memory = pool.blob("fc1.out").data_memory
-    assert memory.device_capacity >= 250 * 1024 * 8
+    assert memory.device_capacity >= (rows - 6) * 1024 * 8 > unit
     assert pool.stats()["device_reserved_bytes"] == memory.device_capacity
-    again = pool.tensor("fc1.out", (256, 1024))
+    again = pool.tensor("fc1.out", (rows, 1024))
     assert pool.stats()["num_grows"] == 2  # first allocation, then the float64 growth
     if device != "cuda":  # stable addresses on cpu and emulated
         assert train.data_ptr() == evaluation.data_ptr() == again.data_ptr()
@@ -78,25 +82,28 @@ def test_shapes_spelt_as_ints_lists_and_sizes_all_work() -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_refused_growth_loses_nothing(device: str) -> None:
-    pool = sm.BufferPool(device, limit=3 * MiB)
-    pool.tensor("a", (MiB // 4,)).fill_(1.0)  # 1 MiB
-    pool.tensor("b", (MiB // 8,)).fill_(2.0)  # 0.5 MiB
+    # Sized from the allocation granularity (2 MiB on a GPU with vmm): "a" and "b" fit under
+    # the limit, and "a" grown to four units does not, on every backend.
+    unit = max(MiB, sm.SyncedMemory(device=device).placement.device_backend.granularity)
+    pool = sm.BufferPool(device, limit=3 * unit)
+    pool.tensor("a", (unit // 4,)).fill_(1.0)  # one unit (1 MiB on cpu and emulated)
+    pool.tensor("b", (unit // 8,)).fill_(2.0)  # half a unit: rounds up to one at most
     before = pool.stats()
     with pytest.raises(sm.OutOfMemoryError) as caught:
-        pool.tensor("a", (MiB,))  # 4 MiB: past the limit
+        pool.tensor("a", (unit,))  # four units: past the limit
     err = caught.value
-    assert err.limit == 3 * MiB and err.requested >= 4 * MiB
+    assert err.limit == 3 * unit and err.requested >= 4 * unit
     assert err.reserved == before["device_reserved_bytes"]
     after = pool.stats()
     assert after["reserved_bytes"] == before["reserved_bytes"]
     assert after["num_grows"] == before["num_grows"]
-    assert pool.tensor("a", (MiB // 4,)).min().item() == 1.0  # content kept
-    assert pool.tensor("b", (MiB // 8,)).max().item() == 2.0
+    assert pool.tensor("a", (unit // 4,)).min().item() == 1.0  # content kept
+    assert pool.tensor("b", (unit // 8,)).max().item() == 2.0
     with pytest.raises(sm.OutOfMemoryError):
-        pool.tensor("c", (MiB,))  # a new buffer is refused too
+        pool.tensor("c", (unit,))  # a new buffer is refused too
     assert "c" in pool and pool.blob("c").data_memory.reserved_bytes == 0
     pool.set_limit(None)
-    assert pool.tensor("a", (MiB,)).shape == (MiB,)  # the fix works
+    assert pool.tensor("a", (unit,)).shape == (unit,)  # the fix works
 
 
 def test_the_out_of_memory_message_says_what_and_what_to_do() -> None:
@@ -652,3 +659,18 @@ def test_layers_cannot_count_into_the_pools_own_figures() -> None:
         pool.count("reserved_bytes", 1)
     pool.count_unpooled(5)  # the one shared key, through its own method
     assert pool.stats()["unpooled_bytes"] == 5 and pool.stats()["reserved_bytes"] == 0
+
+
+def test_on_a_moving_backend_the_limit_caps_the_peak_of_a_growth_too() -> None:
+    # Growing 20,480 -> 40,960 bytes holds both blocks while it copies: 61,440 at the peak.
+    pool = sm.BufferPool("emulated", backend="pageable", limit=50_000)
+    pool.tensor("x", (20_480,), torch.uint8).fill_(5)
+    with pytest.raises(sm.OutOfMemoryError, match=r"moves when it grows: the old 20,480 bytes"):
+        pool.tensor("x", (40_960,), torch.uint8)
+    assert pool.tensor("x", (20_480,), torch.uint8).eq(5).all()
+    pool.set_limit(61_440)
+    pool.tensor("x", (40_960,), torch.uint8)
+    assert (
+        pool.stats()["peak_reserved_bytes"] <= 61_440
+        and pool.stats()["device_reserved_bytes"] == 40_960
+    )

@@ -8,12 +8,12 @@ growth stay valid.
 
 Address space is finite (128 TiB on x86-64) and shared with everything else in the process,
 so reservations are budgeted: while the process's live reservations stay under
-``ADDRESS_BUDGET`` a block reserves ``default_reservation()`` (4 GiB at most), beyond it only
-twice what it asks for. Under strict overcommit (``vm.overcommit_memory=2``) the kernel charges
-every mapped byte whatever the flags, so there a block maps only what it asks for. A block
-that outgrows its range moves once to a range twice its new size, like a moving allocator:
-views taken before keep the old bytes. Where no range can be mapped at all a block falls back
-to a plain pageable tensor.
+``ADDRESS_BUDGET`` (or a quarter of ``ulimit -v``) a block reserves ``default_reservation()``
+(4 GiB at most), beyond it only twice what it asks for. Under strict overcommit
+(``vm.overcommit_memory=2``) the kernel charges every mapped byte whatever the flags, so there
+a block maps only what it asks for. A block that outgrows its range moves once to a range
+twice its new size, like a moving allocator: views taken before keep the old bytes. Where no
+range can be mapped at all a block falls back to a plain pageable tensor.
 
 The emulated device is built from these same classes: its blocks are separate mappings, so it
 is a second memory space whose copies to and from the host are explicit.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import resource
 import sys
 import threading
 import weakref
@@ -93,6 +94,15 @@ def default_reservation() -> int:
     there are, also on machines with terabytes of memory.
     """
     return round_up(min(max(_physical_memory(), _GIB), 4 * _GIB), PAGE)
+
+
+def _budget() -> int:
+    """``ADDRESS_BUDGET``, or a quarter of the process's address-space limit (``ulimit -v``)
+    where that is less: the rest is everyone else's."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return ADDRESS_BUDGET
+    return min(ADDRESS_BUDGET, soft // 4)
 
 
 def _physical_memory() -> int:
@@ -203,21 +213,21 @@ class ReservedBackend(Backend):
     def _map(self, nbytes: int) -> mmap.mmap | None:
         """A range for at least ``nbytes``, sized by the policy in the module docstring."""
         _check_committable(nbytes, self.device)
+        roomy = max(self.reservation, 2 * nbytes)
         if _strict_overcommit():
-            size = nbytes  # every mapped byte is charged: take no more than asked
-        elif _address_space.reserved + self.reservation > ADDRESS_BUDGET:
-            size = 2 * nbytes  # a crowded process: room to double, no more
+            sizes = [nbytes]  # every mapped byte is charged: take no more than asked
+        elif _address_space.reserved + roomy > _budget():
+            sizes = [2 * nbytes, nbytes]  # a crowded process: room to double, no more
         else:
-            size = max(self.reservation, 2 * nbytes)
-        # Then less, down to the request itself: a smaller range may still fit where the
-        # kernel refuses a large one. None means "use pageable memory".
-        while True:
+            sizes = [roomy, 2 * nbytes, nbytes]
+        # Where the kernel refuses a range, try the next smaller (not halving from 4 GiB: that
+        # would spend an address-space limit on the first few blocks). None: pageable memory.
+        for size in sorted(set(sizes), reverse=True):
             try:
                 return _address_space.take(mmap.mmap(-1, size, flags=_MAP_FLAGS))
             except (OSError, OverflowError, ValueError):
-                if size <= nbytes:
-                    return None
-                size = max(round_up(size // 2, PAGE), nbytes)
+                continue
+        return None
 
     def _allocate(self, nbytes: int) -> Block:
         mapping = self._map(nbytes)
