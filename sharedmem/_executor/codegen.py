@@ -9,6 +9,11 @@ each result is written: on a moving backend a view taken before a growth goes st
 A line of generated code looks like::
 
     v17 = o17(v9, v11, [2, 2], out=_t('act.3', (64, 8, 16, 16), d0), indices=_t(...))
+
+An input may itself be a view into one of the slots the call writes (an earlier call's
+``outputs_in_pool=True`` output, fed back in): it would be overwritten while still needed.
+The header compares the input's bytes with the slots' and copies such an input out first;
+its extent and the slots' sizes are fixed by the signature, so this costs a few pointer reads.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from torch._ops import OpOverload
 from torch.fx import GraphModule, Node
 
-from .graph import Buffer, Step
+from .graph import Buffer, Step, extent
 from .ops import Kind, fill_value
 
 __all__ = ["Runner", "generate"]
@@ -39,9 +44,10 @@ class _Emitter:
         self.globals: dict[str, Any] = {"torch": torch}
         self.names: dict[Node, str] = {}
         self._consts: dict[int, str] = {}
-        self._slot_bytes = slot_bytes
+        self.slot_bytes = slot_bytes
         self.header: list[str] = []  # fetches of pool views, first thing in every call
         self._typed: dict[tuple[str, torch.dtype], str] = {}
+        self.raw: dict[str, str] = {}  # slot -> its byte view in the generated code
 
     def const(self, value: object, hint: str) -> str:
         # Ints, bools, None, strings and finite floats are written as literals; anything else
@@ -87,10 +93,11 @@ class _Emitter:
         # Each slot is fetched once per call as bytes, with the same shape on every call, so
         # the pool's fast path serves it; each dtype living in it gets one typed view.
         if (slot, dtype) not in self._typed:
-            raw = f"s{list(self._slot_bytes).index(slot)}"
-            if not any(s == slot for s, _ in self._typed):
+            raw = f"s{list(self.slot_bytes).index(slot)}"
+            if slot not in self.raw:
                 u8 = self.const(torch.uint8, "d")
-                self.header.append(f"{raw} = _t({slot!r}, ({self._slot_bytes[slot]},), {u8})")
+                self.header.append(f"{raw} = _t({slot!r}, ({self.slot_bytes[slot]},), {u8})")
+                self.raw[slot] = raw
             typed = f"{raw}_{len(self._typed)}"
             self.header.append(f"{typed} = {raw}.view({self.const(dtype, 'd')})")
             self._typed[slot, dtype] = typed
@@ -104,6 +111,7 @@ def generate(
     slot_bytes: dict[str, int],
     device: torch.device,
     label: str,
+    guarded: Sequence[int] = (),
 ) -> tuple[Runner, str]:
     """Return the runner of ``gm`` and its source.
 
@@ -115,6 +123,8 @@ def generate(
         slot_bytes: the bytes to ask of each slot (a multiple of every itemsize).
         device: where fresh and zero-byte results are made.
         label: names the generated code in tracebacks.
+        guarded: the placeholders (by position) that may be views into the pool: data
+            inputs, copied out first where they overlap a slot this graph writes.
     """
     em = _Emitter(slot_bytes)
     nodes = list(gm.graph.nodes)
@@ -141,12 +151,37 @@ def generate(
             dying.setdefault(last_use[node], []).append(name)
         for gone in dying.pop(i, []):
             body.append(f"del {gone}")
-    lines = [*em.header, *body]
+    lines = [*em.header, *_guards(em, nodes, guarded), *body]
     source = "\n".join([f"def run(_t, {', '.join(params)}):", *(f"    {line}" for line in lines)])
     code = compile(source, f"<sharedmem graph {label}>", "exec")
     exec(code, em.globals)
     runner: Runner = em.globals["run"]
     return runner, source
+
+
+def _guards(em: _Emitter, nodes: Sequence[Node], guarded: Sequence[int]) -> list[str]:
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    inputs = [(placeholders[k], extent(placeholders[k].meta["val"])) for k in guarded]
+    inputs = [(node, nbytes) for node, nbytes in inputs if nbytes]
+    if not em.raw or not inputs:
+        return []
+    em.globals["_copy_out"] = _copy_out
+    lines = [f"_a{k} = {raw}.data_ptr()" for k, raw in enumerate(em.raw.values())]
+    sizes = [em.slot_bytes[slot] for slot in em.raw]
+    for node, nbytes in inputs:
+        name = em.names[node]
+        hits = " or ".join(
+            f"(_p < _a{k} + {size} and _a{k} < _p + {nbytes})" for k, size in enumerate(sizes)
+        )
+        lines += [f"_p = {name}.data_ptr()", f"if {hits}:", f"    {name} = _copy_out({name})"]
+    return lines
+
+
+def _copy_out(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in fresh memory with the very same layout (the signature fixes it)."""
+    span = extent(t) // t.element_size()
+    fresh = torch.as_strided(t, (span,), (1,)).clone()
+    return fresh.as_strided(t.shape, t.stride())
 
 
 def _expression(em: _Emitter, step: Step, slots: Sequence[str | None], device: torch.device) -> str:

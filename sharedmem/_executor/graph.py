@@ -21,7 +21,7 @@ from .._errors import SharedMemError
 from .ops import Kind, OpRule, rule_for
 from .plan import Lifetime
 
-__all__ = ["Analysis", "Buffer", "Step", "analyse", "op_name"]
+__all__ = ["Analysis", "Buffer", "Step", "analyse", "extent", "op_name"]
 
 _PLAIN = OpRule(Kind.PLAIN)
 _ALIAS = OpRule(Kind.ALIAS)
@@ -60,6 +60,7 @@ class Analysis:
         steps: one per ``call_function`` node.
         lifetimes: one per pooled result.
         returned: the lifetimes that graph outputs read (their storage outlives the call).
+        returned_by: per graph output, the lifetimes it reads.
         owned: per graph output, whether it is the whole of a storage made during the call
             that no other output shares, so the caller may keep it as it is.
         inplace: pairs ``(result, operand)`` of lifetimes where a pointwise op may write its
@@ -72,6 +73,7 @@ class Analysis:
     steps: list[Step]
     lifetimes: list[Lifetime]
     returned: frozenset[int]
+    returned_by: tuple[frozenset[int], ...]
     owned: tuple[bool, ...]
     inplace: tuple[tuple[int, int], ...]
     unpooled_bytes: int
@@ -88,8 +90,8 @@ def _results(node: Node) -> list[object]:
     return list(val) if isinstance(val, (tuple, list)) else [val]
 
 
-def _extent(t: torch.Tensor) -> int:
-    # Bytes from the first to one past the last element of a fresh (offset 0) result.
+def extent(t: torch.Tensor) -> int:
+    """Bytes from the first element of ``t`` to one past its last (0 when it is empty)."""
     if t.numel() == 0:
         return 0
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
@@ -128,7 +130,7 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
             if rule.kind is Kind.PLAIN:
                 for r, key in zip(results, keys, strict=True):
                     if key not in seen:
-                        plain.append((key, _extent(r), op_name(node.target)))
+                        plain.append((key, extent(r), op_name(node.target)))
                 steps.append(Step(node, i, rule))
             elif rule.kind is Kind.ALIAS:
                 if not set(keys) <= seen:
@@ -164,6 +166,7 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
     out_keys = [storages[o] if isinstance(o, Node) else set() for o in outputs]
     everything = [k for keys in out_keys for k in keys]
     returned = frozenset(owner[k] for k in everything if k in owner)
+    returned_by = tuple(frozenset(owner[k] for k in keys if k in owner) for keys in out_keys)
     owned = tuple(
         isinstance(o, Node)
         and len(keys) == 1
@@ -176,7 +179,8 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
     unpooled = [(n, op) for key, n, op in plain if key not in kept and n]
     ops = tuple(dict.fromkeys(op for _, op in unpooled))
     inplace = _inplace(steps, storages, owner, ends)
-    return Analysis(steps, lifetimes, returned, owned, inplace, sum(n for n, _ in unpooled), ops)
+    unpooled_bytes = sum(n for n, _ in unpooled)
+    return Analysis(steps, lifetimes, returned, returned_by, owned, inplace, unpooled_bytes, ops)
 
 
 def _inplace(
@@ -236,7 +240,7 @@ def _is_whole(node: Node) -> bool:
     return (
         isinstance(val, torch.Tensor)
         and val.storage_offset() == 0
-        and _extent(val) == val.untyped_storage().nbytes()
+        and extent(val) == val.untyped_storage().nbytes()
     )
 
 
@@ -275,12 +279,12 @@ def _poolable(result: object, device: torch.device) -> bool:
         isinstance(result, torch.Tensor)
         and result.device == device
         and result.storage_offset() == 0
-        and _extent(result) == result.untyped_storage().nbytes()
+        and extent(result) == result.untyped_storage().nbytes()
     )
 
 
 def _buffer(result: torch.Tensor) -> Buffer | None:
-    nbytes = _extent(result)
+    nbytes = extent(result)
     if nbytes == 0:
         return None
     return Buffer(

@@ -1,16 +1,9 @@
-"""The two entry points: a pooled train step and a pooled forward, with a graph per signature.
-
-A signature is everything a trace fixes: the shapes, strides, dtypes and devices of the
-inputs (and targets), their non-tensor values, the training flag of every submodule, and the
-parameters' and buffers' shapes, dtypes, devices and ``requires_grad``. The first call of a
-signature traces, plans and generates code; later calls only look the signature up and run.
-"""
+"""The two entry points: a pooled train step and a pooled forward, with a graph per signature
+(see ``executor`` for what a signature holds)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,152 +11,13 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .._pool import BufferPool
-from .._validate import check_name
-from .codegen import Runner, generate
-from .graph import analyse
-from .plan import PLANS, PlanSummary, assign_slots, merge
-from .trace import Binding, Leaves, State, flatten, trace_forward, trace_train
+from .executor import Executor, describe
+from .trace import flatten, trace_forward, trace_train
 
 __all__ = ["PooledForward", "PooledTrainStep", "pooled_forward", "pooled_train_step"]
 
 
-@dataclass(frozen=True)
-class _Compiled:
-    runner: Runner
-    source: str
-    summary: PlanSummary
-    owned: tuple[bool, ...]
-    unpooled_bytes: int
-    out_spec: pytree.TreeSpec | None = None
-
-
-class _Executor:
-    """What both entry points share: checks, the signature cache, planning and the pool."""
-
-    def __init__(self, model: object, pool: BufferPool, plan: object, prefix: object) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}"
-            )
-        if not isinstance(pool, BufferPool):
-            raise TypeError(
-                f"sharedmem: pool must be a sharedmem.BufferPool, got {type(pool).__name__}"
-            )
-        if plan not in PLANS:
-            raise ValueError(f"sharedmem: plan must be one of {PLANS}, got {plan!r}")
-        self.model = model
-        self.pool = pool
-        self.plan = str(plan)
-        self.prefix = check_name(prefix)
-        device = pool.device
-        self.device = torch.device("cpu" if device == "emulated" else device)
-        self._cache: dict[tuple[object, ...], _Compiled] = {}
-        self._last: _Compiled | None = None
-        self._binding: Binding | None = None
-
-    def _state(self) -> State:
-        if self._binding is None:
-            self._binding = Binding(self.model)
-        return self._binding.state()
-
-    def plan_summary(self) -> PlanSummary:
-        """What the graph of the latest call asks of the pool, and what its plan saves."""
-        if self._last is None:
-            raise ValueError("sharedmem: plan_summary() needs a first call to trace a graph")
-        return self._last.summary
-
-    def plan_summaries(self) -> list[PlanSummary]:
-        """The plan of every signature traced so far, in the order they were first seen."""
-        return [c.summary for c in self._cache.values()]
-
-    def source(self) -> str:
-        """The generated Python code of the latest call's graph (for reading and debugging)."""
-        if self._last is None:
-            raise ValueError("sharedmem: source() needs a first call to trace a graph")
-        return self._last.source
-
-    def _check_devices(self, state: State, *leaves: Leaves) -> None:
-        tensors = [*state.params, *state.buffers, *(t for lv in leaves for t in lv.tensors)]
-        for t in tensors:
-            if t.device != self.device:
-                raise ValueError(
-                    f"sharedmem: the pool is on {self.pool.device!r} but a tensor of the call is "
-                    f"on {t.device}; keep the model and its inputs on {self.device}"
-                )
-
-    def _build(self, gm: torch.fx.GraphModule, outputs_in_pool: bool, label: str) -> _Compiled:
-        analysis = analyse(gm, self.device)
-        # Results the caller keeps get fresh memory on each call; everything else is planned.
-        planned = [
-            i
-            for i in range(len(analysis.lifetimes))
-            if outputs_in_pool or i not in analysis.returned
-        ]
-        index = {life: k for k, life in enumerate(planned)}
-        pairs = [
-            (index[a], index[b])
-            for a, b in analysis.inplace
-            if self.plan == "liveness" and a in index and b in index
-        ]
-        lifetimes = [analysis.lifetimes[i] for i in planned]
-        joined, member = merge(lifetimes, pairs)
-        share = self.plan == "liveness"
-        existing = self._capacities()
-        names, need = assign_slots(joined, existing, share=share, prefix=self.prefix)
-        slots: list[str | None] = [None] * len(analysis.lifetimes)
-        for k, i in enumerate(planned):
-            slots[i] = names[member[k]]
-        # Whole multiples of 16 bytes, so a slot's bytes view as any dtype.
-        slot_bytes = {name: -(-n // 16) * 16 for name, n in need.items()}
-        for name, nbytes in slot_bytes.items():
-            # Grow now, once: views fetched during a call then never see a growth.
-            self.pool.tensor(name, (nbytes,), torch.uint8)
-        runner, source = generate(gm, analysis.steps, slots, slot_bytes, self.device, label)
-        alone = assign_slots(joined, {}, share=share, prefix=self.prefix)[1]
-        summary = PlanSummary(
-            plan=self.plan,
-            signature=label,
-            nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
-            pooled_values=len(planned),
-            slots=len(alone),
-            pooled_bytes=sum(alone.values()),
-            per_node_bytes=sum(life.nbytes for life in lifetimes),
-            added_bytes=sum(max(0, n - existing.get(name, 0)) for name, n in slot_bytes.items()),
-            unpooled_bytes=analysis.unpooled_bytes,
-            unpooled_ops=analysis.unpooled_ops,
-        )
-        return _Compiled(runner, source, summary, analysis.owned, analysis.unpooled_bytes)
-
-    def _capacities(self) -> dict[str, int]:
-        slots = {}
-        for name in self.pool.names():
-            if name.startswith(self.prefix) and name[len(self.prefix) :].isdigit():
-                slots[name] = self.pool.blob(name).data_memory.device_capacity
-        return slots
-
-    def _run(self, compiled: _Compiled, flat: list[torch.Tensor]) -> list[Any]:
-        self._last = compiled
-        enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # as torch.no_grad(), without its per-call cost
-        try:
-            outputs = compiled.runner(self.pool.tensor, *flat)
-        finally:
-            torch._C._set_grad_enabled(enabled)
-        if compiled.unpooled_bytes:
-            self.pool.count_unpooled(compiled.unpooled_bytes)
-        return outputs
-
-
-def _describe(what: str, *trees: Leaves) -> str:
-    shapes = ", ".join(
-        f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-        for lv in trees
-        for t in lv.tensors
-    )
-    return f"{what} [{shapes}]"
-
-
-class PooledTrainStep(_Executor):
+class PooledTrainStep(Executor):
     """A train step whose activations live in a pool: ``loss = step(inputs, targets)``.
 
     Made by ``sm.pooled_train_step``; see there.
@@ -184,19 +38,23 @@ class PooledTrainStep(_Executor):
 
     def __call__(self, inputs: object, targets: object) -> torch.Tensor:
         """Run forward and backward, add the gradients into ``p.grad``, return the loss."""
-        state = self._state()
+        binding, state = self._state()
         x = flatten(inputs, "inputs")
         y = flatten(targets, "targets")
-        key = (state.key, x.key, y.key)
+        mode = self._mode()
+        key = (state.key, x.key, y.key, mode)
         compiled = self._cache.get(key)
         if compiled is None:
             self._check_devices(state, x, y)
-            gm = trace_train(self.model, self.loss_fn, state, x, y)
-            label = _describe("train step", x, y)
-            compiled = self._build(gm, False, label)
+            traced = trace_train(self.model, self.loss_fn, binding, state, x, y)
+            label = describe("train step", x, y)
+            n_data = len(x.tensors) + len(y.tensors)
+            compiled = self._build(traced, False, label, n_data, bool(mode[1]))
             self._cache[key] = compiled
-        loss, *grads = self._run(compiled, [*state.params, *state.buffers, *x.tensors, *y.tensors])
-        for p, g, owned in zip(state.params, grads, compiled.owned[1:], strict=True):
+        flat = [*state.params, *state.buffers, *x.tensors, *y.tensors]
+        loss, *grads = self._run(compiled, binding, flat)
+        owned_grads = compiled.owned[1 : 1 + len(grads)]
+        for p, g, owned in zip(state.params, grads, owned_grads, strict=True):
             if g is None:
                 continue
             if p.grad is None:
@@ -210,7 +68,7 @@ class PooledTrainStep(_Executor):
         return result
 
 
-class PooledForward(_Executor):
+class PooledForward(Executor):
     """A forward pass whose activations live in a pool: ``out = fwd(inputs)``.
 
     Made by ``sm.pooled_forward``; see there.
@@ -233,18 +91,19 @@ class PooledForward(_Executor):
 
     def __call__(self, inputs: object) -> Any:
         """Run the forward without autograd and return the model's output."""
-        state = self._state()
+        binding, state = self._state()
         x = flatten(inputs, "inputs")
-        key = (state.key, x.key)
+        mode = self._mode()
+        key = (state.key, x.key, mode)
         compiled = self._cache.get(key)
         if compiled is None:
             self._check_devices(state, x)
-            gm, spec = trace_forward(self.model, state, x)
-            label = _describe("train-mode forward" if self.model.training else "forward", x)
-            compiled = self._build(gm, self.outputs_in_pool, label)
-            compiled = dataclasses.replace(compiled, out_spec=spec)
+            traced = trace_forward(self.model, binding, state, x)
+            label = describe("train-mode forward" if self.model.training else "forward", x)
+            n_data = len(x.tensors)
+            compiled = self._build(traced, self.outputs_in_pool, label, n_data, bool(mode[1]))
             self._cache[key] = compiled
-        outputs = self._run(compiled, [*state.params, *state.buffers, *x.tensors])
+        outputs = self._run(compiled, binding, [*state.params, *state.buffers, *x.tensors])
         assert compiled.out_spec is not None
         return pytree.tree_unflatten(outputs, compiled.out_spec)
 
@@ -266,22 +125,35 @@ def pooled_train_step(
     batch-norm running statistics, draws random numbers (dropout) from the global generator
     in eager order, and returns the loss. Results equal eager PyTorch's.
 
-    The model is traced once per input signature (shapes, strides, dtypes, devices, training
-    flags) into a joint forward+backward graph of ATen ops, which is planned and compiled to a
-    straight-line function; later calls of that signature only run it. Every intermediate an
-    op allocates is written into a named pool buffer through the op's ``out=`` form; views
-    and in-place ops stay what they are; ops without a native ``out=`` form allocate as in
-    eager and are counted in ``pool.stats()["unpooled_bytes"]``.
+    The model is traced once per signature (the inputs' shapes, strides, dtypes and devices,
+    training flags, the model's structure, autocast and the default dtype) into a joint
+    forward+backward graph of ATen ops, which is planned and compiled to a straight-line
+    function; later calls of that signature only run it. Every intermediate an op allocates
+    is written into a named pool buffer through the op's ``out=`` form; views and in-place
+    ops stay what they are; ops without a native ``out=`` form allocate as in eager and are
+    counted in ``pool.stats()["unpooled_bytes"]``.
+
+    The model may change between calls: a replaced, added or removed submodule, parameter or
+    buffer, or weights untied, is noticed on the next call, which traces anew. Lazy modules
+    (``nn.LazyLinear``) must be initialized by one eager forward first.
 
     Returned tensors are never views into the pool: the loss and new gradients are fresh
     tensors (as in eager), so nothing the caller holds is overwritten by the next call. The
     loss is detached (it does not require grad).
 
     Buffers are named ``prefix`` + a number and shared by every executor using that prefix on
-    the pool, so a ``pooled_forward`` (eval) reuses the train step's buffers. Calls are not
-    thread-safe. The module's Python code runs only while tracing: Python-side state it keeps
-    (counters, data-dependent branches) is fixed at trace time, and hooks registered on
-    parameter tensors are not run.
+    the pool, so a ``pooled_forward`` (eval) reuses the train step's buffers. An input that
+    is itself a view into those buffers (an ``outputs_in_pool=True`` output of another call)
+    is copied before the call overwrites them.
+
+    The module's Python code runs only while tracing. Tensors it stores on the module (a
+    buffer it rebinds, ``self.avg = 0.9 * self.avg + ...``; a tensor attribute it sets) are
+    written back after every call, as in eager; other Python-side state (counters, tensors
+    put in lists, data-dependent branches) is fixed at trace time, and tracing puts every
+    attribute of every submodule back as it was. Hooks registered on parameter tensors, and
+    module hooks added after a signature was traced, are not run. Traces in different
+    threads take turns; one executor, or one model, must not be called from two threads at
+    once.
 
     Args:
         model: the module; on the pool's device (``"emulated"`` pools take CPU modules).
@@ -329,7 +201,8 @@ def pooled_forward(
     By default the outputs are fresh tensors, written directly (no copy) into new memory on
     each call, so they stay valid after later calls. With ``outputs_in_pool=True`` they are
     views into pool buffers instead: nothing is allocated, but the next call of any executor
-    on the pool overwrites them; copy what you keep.
+    on the pool overwrites them; copy what you keep. Passing such a view to an executor on
+    the pool (``fwd(fwd(x))``, features for a pooled head) is safe: the call copies it first.
 
     Args:
         model: the module; on the pool's device (``"emulated"`` pools take CPU modules).

@@ -1,17 +1,23 @@
 """Trace a module into an ATen graph: the joint forward+backward, or the forward alone.
 
 Tracing runs ``make_fx`` on fake tensors, so it computes nothing, draws no random numbers
-and leaves the module's buffers as they were. Parameters, buffers and input tensors become
-graph inputs; at run time the real ones are passed in, so in-place updates that the module
-makes to its buffers (batch-norm running statistics, ``num_batches_tracked``) land on the
-module itself, exactly as in eager mode, and random ops draw from the global generator in
-eager order.
+and leaves the module as it was (see ``binding.Swap``). Parameters, buffers, tensor
+attributes and input tensors become graph inputs; at run time the real ones are passed in,
+so in-place updates that the module makes to its buffers (batch-norm running statistics,
+``num_batches_tracked``) land on the module itself, exactly as in eager mode, and random ops
+draw from the global generator in eager order. Tensors the forward stores on the module
+(``self.avg = ...``) become extra graph outputs, written back after each call.
+
+``make_fx`` keeps global state while it traces, so traces run one at a time in a process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -27,10 +33,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .._errors import SharedMemError
+from .binding import Binding, Place, State, Swap
 
-__all__ = ["Binding", "Leaves", "State", "flatten", "trace_forward", "trace_train"]
+__all__ = ["Leaves", "Traced", "flatten", "trace_forward", "trace_train"]
 
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+_LOCK = threading.RLock()  # make_fx is not thread-safe; re-entrant for a trace in a trace
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TORCH_NN = os.path.join(_TORCH, "nn") + os.sep
 
 
 @dataclass(frozen=True)
@@ -84,72 +94,32 @@ def flatten(tree: object, what: str) -> Leaves:
 
 
 @dataclass(frozen=True)
-class State:
-    """A module's parameters and buffers, by name, as they are at this call."""
+class Traced:
+    """A traced graph; its last ``len(stored)`` outputs are tensors the forward stored on the
+    module, to be written back to those places after each call."""
 
-    param_names: tuple[str, ...]
-    params: list[torch.Tensor]
-    buffer_names: tuple[str, ...]
-    buffers: list[torch.Tensor]
-    key: tuple[object, ...]
-
-
-class Binding:
-    """Where a module keeps its parameters and buffers, found once and read cheaply per call.
-
-    Walking ``named_parameters()`` on every call would cost more than a small model's step;
-    the owning submodule and attribute of each tensor are found at the first call instead, so
-    a parameter replaced later (``model.fc.weight = nn.Parameter(...)``) is still seen, but a
-    submodule added later is not.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.modules = list(model.modules())
-        self.param_names = tuple(n for n, _ in model.named_parameters())
-        self.buffer_names = tuple(n for n, _ in model.named_buffers())
-        self._params = [_owner(model, n) for n in self.param_names]
-        self._buffers = [_owner(model, n) for n in self.buffer_names]
-
-    def state(self) -> State:
-        """The tensors as they are now, and a key of everything a trace fixes about them."""
-        params = [_present(m._parameters.get(a), a) for m, a in self._params]
-        buffers = [_present(m._buffers.get(a), a) for m, a in self._buffers]
-        key = (
-            tuple(m.training for m in self.modules),
-            tuple((p.shape, p.dtype, p.device, p.requires_grad) for p in params),
-            tuple((b.shape, b.dtype, b.device) for b in buffers),
-        )
-        return State(self.param_names, params, self.buffer_names, buffers, key)
-
-
-def _present(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
-    if tensor is None:
-        raise ValueError(
-            f"sharedmem: the model's {name!r} was removed or set to None after the first call; "
-            "make a new step for the changed model"
-        )
-    return tensor
-
-
-def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, attr = name.rpartition(".")
-    return model.get_submodule(path), attr
+    gm: GraphModule
+    stored: tuple[Place, ...]
+    spec: pytree.TreeSpec | None = None  # the model output's tree (forward graphs)
 
 
 def trace_train(
     model: nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
+    binding: Binding,
     state: State,
     inputs: Leaves,
     targets: Leaves,
-) -> GraphModule:
-    """Trace ``loss, *grads = f(*params, *buffers, *inputs, *targets)``.
+) -> Traced:
+    """Trace ``loss, *grads, *stored = f(*params, *buffers, *inputs, *targets)``.
 
     One gradient per parameter (``None`` where the parameter does not require grad or does
-    not reach the loss), as ``torch.autograd.grad`` returns them.
+    not reach the loss), as ``torch.autograd.grad`` returns them. ``loss_fn`` runs with the
+    traced parameters in place too, so a loss that reads them (a weight penalty) is traced.
     """
     n_params, n_buffers, n_inputs = len(state.params), len(state.buffers), len(inputs.tensors)
     wants_grad = [p.requires_grad for p in state.params]
+    stored: list[tuple[Place, ...]] = []
 
     def joint(*flat: torch.Tensor) -> list[torch.Tensor | None]:
         params = [
@@ -158,82 +128,152 @@ def trace_train(
         ]
         buffers = flat[n_params : n_params + n_buffers]
         data = flat[n_params + n_buffers :]
-        with torch.enable_grad():
-            out = _call(model, state, params, buffers, inputs.rebuild(data[:n_inputs]))
+        with Swap(binding, [*params, *buffers]) as swap, torch.enable_grad():
+            out = model(inputs.rebuild(data[:n_inputs]))
             loss = loss_fn(out, targets.rebuild(data[n_inputs:]))
+            found = swap.stored()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"sharedmem: loss_fn must return a tensor, got {type(loss).__name__}")
         wrt = [p for p, g in zip(params, wants_grad, strict=True) if g]
         grads = iter(torch.autograd.grad(loss, wrt, allow_unused=True))
-        return [loss.detach(), *(next(grads) if g else None for g in wants_grad)]
+        stored.append(tuple(place for place, _ in found))
+        return [
+            loss.detach(),
+            *(next(grads) if g else None for g in wants_grad),
+            *(value.detach() for _, value in found),
+        ]
 
-    flat = [*state.params, *state.buffers, *inputs.tensors, *targets.tensors]
-    return _trace(joint, flat, f"the train step of {type(model).__name__}")
+    flat = [*state.params, *_detached(state.buffers), *inputs.tensors, *targets.tensors]
+    gm = _trace(joint, flat, f"the train step of {type(model).__name__}", binding)
+    return Traced(gm, stored[-1])
 
 
-def trace_forward(
-    model: nn.Module, state: State, inputs: Leaves
-) -> tuple[GraphModule, pytree.TreeSpec]:
-    """Trace ``outputs = f(*params, *buffers, *inputs)`` without autograd; return the graph
-    and the tree of the model's output (whose leaves are the graph's outputs)."""
+def trace_forward(model: nn.Module, binding: Binding, state: State, inputs: Leaves) -> Traced:
+    """Trace ``*outputs, *stored = f(*params, *buffers, *inputs)`` without autograd, where
+    ``outputs`` are the leaves of the model's output (its tree is ``Traced.spec``)."""
     n_params, n_buffers = len(state.params), len(state.buffers)
-    specs: list[pytree.TreeSpec] = []
+    specs: list[tuple[pytree.TreeSpec, tuple[Place, ...]]] = []
 
     def forward(*flat: torch.Tensor) -> list[Any]:
-        with torch.no_grad():
-            out = _call(
-                model,
-                state,
-                flat[:n_params],
-                flat[n_params : n_params + n_buffers],
-                inputs.rebuild(flat[n_params + n_buffers :]),
-            )
+        with Swap(binding, flat[: n_params + n_buffers]) as swap, torch.no_grad():
+            out = model(inputs.rebuild(flat[n_params + n_buffers :]))
+            found = swap.stored()
         leaves, spec = pytree.tree_flatten(out)
-        specs.append(spec)
-        return leaves
+        specs.append((spec, tuple(place for place, _ in found)))
+        return [*leaves, *(value for _, value in found)]
 
-    flat = [*(p.detach() for p in state.params), *state.buffers, *inputs.tensors]
-    gm = _trace(forward, flat, f"the forward of {type(model).__name__}")
-    return gm, specs[-1]
-
-
-def _call(
-    model: nn.Module,
-    state: State,
-    params: Sequence[torch.Tensor],
-    buffers: Sequence[torch.Tensor],
-    inputs: object,
-) -> Any:
-    tensors = dict(zip(state.param_names, params, strict=True))
-    tensors.update(zip(state.buffer_names, buffers, strict=True))
-    return torch.func.functional_call(model, tensors, (inputs,))
+    flat = [*(p.detach() for p in state.params), *_detached(state.buffers), *inputs.tensors]
+    gm = _trace(forward, flat, f"the forward of {type(model).__name__}", binding)
+    spec, places = specs[-1]
+    return Traced(gm, places, spec)
 
 
-def _trace(fn: Callable[..., Any], flat: list[torch.Tensor], what: str) -> GraphModule:
+def _detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    # A tensor attribute may be a non-leaf that requires grad (old-style weight_norm keeps
+    # its last computed weight there); the graph takes it as data, as it does buffers.
+    return [t.detach() if t.requires_grad else t for t in tensors]
+
+
+def _trace(
+    fn: Callable[..., Any], flat: list[torch.Tensor], what: str, binding: Binding
+) -> GraphModule:
     try:
-        # Module attributes that are plain tensors (neither parameter nor buffer) are real
-        # tensors inside the fake trace; they become constants of the graph.
-        return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat)
-    except (SharedMemError, TypeError, ValueError):
+        with _LOCK:
+            # Module attributes that are plain tensors reached only through containers
+            # (lists, dicts) are real tensors inside the fake trace: graph constants.
+            return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat)
+    except SharedMemError:
         raise
+    except (TypeError, ValueError) as e:
+        # The model's own argument checks (its code, torch.nn's) raise as they would in
+        # eager; the same errors raised inside the tracing machinery are not the caller's.
+        if str(e).startswith("sharedmem:") or not _raised_inside_torch(e):
+            raise
+        raise SharedMemError(f"sharedmem: could not trace {what}: {_first_line(e)}") from e
     except _DATA_DEPENDENT as e:
         raise SharedMemError(
             f"sharedmem: {e.func} is not supported by the pooled executor: the shape or value "
-            f"of its result depends on tensor data, which a trace cannot fix ({what})"
+            f"of its result depends on tensor data, which a trace cannot fix "
+            f"({what}{_culprit(e, binding)})"
         ) from e
     except GuardOnDataDependentSymNode as e:
         raise SharedMemError(
             "sharedmem: aten._local_scalar_dense is not supported by the pooled executor: "
-            "the model reads a tensor value into Python (.item(), float(t), if t: ...), which "
-            f"a trace cannot fix ({what})"
+            "the model or loss reads a tensor value into Python (.item(), float(t), if t: "
+            f"...), which a trace cannot fix ({what}{_culprit(e, binding)}){_hint(e, binding)}"
         ) from e
     except UnsupportedOperatorException as e:
         raise SharedMemError(
             f"sharedmem: {e.func} is not supported by the pooled executor: it cannot be "
-            f"traced with fake tensors ({what})"
+            f"traced with fake tensors ({what}{_culprit(e, binding)})"
         ) from e
     except Exception as e:
-        first = (str(e).splitlines() or [""])[0]
-        raise SharedMemError(
-            f"sharedmem: could not trace {what}: {type(e).__name__}: {first}"
-        ) from e
+        raise SharedMemError(f"sharedmem: could not trace {what}: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def _internal(filename: str) -> bool:
+    # torch's own machinery (fx, fake tensors, dispatch), as opposed to model code and the
+    # torch.nn modules and functions a model is written with.
+    return filename.startswith(_TORCH) and not filename.startswith(_TORCH_NN)
+
+
+def _frames(e: BaseException) -> Iterator[tuple[FrameType, int]]:
+    """The frames an error passed through, outermost first, with their line numbers."""
+    tb = e.__traceback__
+    while tb is not None:
+        yield tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+
+
+def _raised_inside_torch(e: BaseException) -> bool:
+    frames = [frame for frame, _ in _frames(e)]
+    return not frames or _internal(frames[-1].f_code.co_filename)
+
+
+def _modules_in(e: BaseException, binding: Binding) -> list[tuple[str, nn.Module]]:
+    """The submodules whose code an error passed through, outermost first."""
+    paths = {id(m): path for path, m in binding.unique}
+    found = []
+    for frame, _ in _frames(e):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in paths:
+            found.append((paths[id(owner)], owner))
+    return found
+
+
+def _culprit(e: BaseException, binding: Binding) -> str:
+    """Where in the model (or loss) an error was raised: '; in BatchNorm1d '1' (forward, at
+    torch/nn/modules/batchnorm.py:193)'."""
+    code = [(f, n) for f, n in _frames(e) if not _internal(f.f_code.co_filename)]
+    modules = _modules_in(e, binding)
+    parts = []
+    if modules:
+        path, module = modules[-1]
+        parts.append(f"{type(module).__name__} {path!r}" if path else "the model itself")
+    if code:
+        frame, line = code[-1]
+        filename = frame.f_code.co_filename
+        short = "torch/" + filename[len(_TORCH) :] if filename.startswith(_TORCH) else filename
+        parts.append(f"{frame.f_code.co_name}, at {short}:{line}")
+    if not parts:
+        return ""
+    return "; in " + parts[0] + (f" ({parts[1]})" if len(parts) > 1 else "")
+
+
+def _hint(e: BaseException, binding: Binding) -> str:
+    modules = _modules_in(e, binding)
+    module = modules[-1][1] if modules else None
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None:
+        return (
+            ". BatchNorm with momentum=None (a cumulative average) reads num_batches_tracked "
+            "into Python on every training call: give it a momentum (0.1 is the default) to "
+            "use the pooled executor"
+        )
+    return (
+        ". Compute that value before the call and pass it in, or compute without reading "
+        "tensor values into Python"
+    )

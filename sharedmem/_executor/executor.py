@@ -1,0 +1,221 @@
+"""What both entry points share: checks, the signature cache, planning, running the graph.
+
+A signature is everything a trace fixes: the shapes, strides, dtypes and devices of the
+inputs (and targets), their non-tensor values, the model's structure (submodules and where
+its tensors live), the training flag of every submodule, the parameters', buffers' and
+tensor attributes' shapes, dtypes, devices and ``requires_grad``, and the modes that change
+which ops a trace records (autocast and its dtype, the default dtype). The first call of a
+signature traces, plans and generates code; later calls only look the signature up and run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .._pool import BufferPool
+from .._validate import check_name
+from .binding import Binding, Place, State
+from .codegen import Runner, generate
+from .graph import analyse
+from .plan import PLANS, PlanSummary, assign_slots, merge
+from .trace import Leaves, Traced
+
+__all__ = ["Compiled", "Executor", "describe"]
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One signature's graph, ready to run, and what the executor does with its outputs."""
+
+    runner: Runner
+    source: str
+    summary: PlanSummary
+    owned: tuple[bool, ...]
+    unpooled_bytes: int
+    stored: tuple[Place, ...]  # where the last len(stored) outputs are written back
+    autocast: bool  # traced under autocast: the runner runs its ops as they were recorded
+    out_spec: pytree.TreeSpec | None = None
+
+
+class Executor:
+    """What both entry points share: checks, the signature cache, planning and the pool."""
+
+    def __init__(self, model: object, pool: BufferPool, plan: object, prefix: object) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}"
+            )
+        if not isinstance(pool, BufferPool):
+            raise TypeError(
+                f"sharedmem: pool must be a sharedmem.BufferPool, got {type(pool).__name__}"
+            )
+        if plan not in PLANS:
+            raise ValueError(f"sharedmem: plan must be one of {PLANS}, got {plan!r}")
+        self.model = model
+        self.pool = pool
+        self.plan = str(plan)
+        self.prefix = check_name(prefix)
+        device = pool.device
+        self.device = torch.device("cpu" if device == "emulated" else device)
+        self._device_type = self.device.type
+        self._cache: dict[tuple[object, ...], Compiled] = {}
+        self._last: Compiled | None = None
+        self._binding: Binding | None = None
+
+    def _state(self) -> tuple[Binding, State]:
+        binding = self._binding
+        state = None if binding is None else binding.state()
+        if binding is None or state is None:  # first call, or the model's structure changed
+            binding = self._binding = Binding(self.model)
+            state = binding.state()
+            assert state is not None, "a fresh binding matches the model"
+        return binding, state
+
+    def _mode(self) -> tuple[object, ...]:
+        # What changes the ops a trace records without changing any tensor: the default
+        # dtype (factories) and autocast on the pool's device (casts, lower-precision ops).
+        kind = self._device_type
+        mode = (torch.get_default_dtype(), torch.is_autocast_enabled(kind))
+        if mode[1]:
+            return (*mode, torch.get_autocast_dtype(kind))
+        if kind != "cpu" and torch.is_autocast_enabled("cpu"):  # CPU scalars of a GPU model
+            return (*mode, "cpu", torch.get_autocast_dtype("cpu"))
+        return mode
+
+    def plan_summary(self) -> PlanSummary:
+        """What the graph of the latest call asks of the pool, and what its plan saves."""
+        if self._last is None:
+            raise ValueError("sharedmem: plan_summary() needs a first call to trace a graph")
+        return self._last.summary
+
+    def plan_summaries(self) -> list[PlanSummary]:
+        """The plan of every signature traced so far, in the order they were first seen."""
+        return [c.summary for c in self._cache.values()]
+
+    def source(self) -> str:
+        """The generated Python code of the latest call's graph (for reading and debugging)."""
+        if self._last is None:
+            raise ValueError("sharedmem: source() needs a first call to trace a graph")
+        return self._last.source
+
+    def _check_devices(self, state: State, *leaves: Leaves) -> None:
+        # Tensor attributes are left out: a model may keep CPU scalars next to GPU weights.
+        registered = state.buffers[: state.registered]
+        tensors = [*state.params, *registered, *(t for lv in leaves for t in lv.tensors)]
+        for t in tensors:
+            if t.device != self.device:
+                raise ValueError(
+                    f"sharedmem: the pool is on {self.pool.device!r} but a tensor of the call is "
+                    f"on {t.device}; keep the model and its inputs on {self.device}"
+                )
+
+    def _build(
+        self, traced: Traced, outputs_in_pool: bool, label: str, n_data: int, autocast: bool
+    ) -> Compiled:
+        gm = traced.gm
+        analysis = analyse(gm, self.device)
+        # Results the caller keeps get fresh memory on each call; everything else is planned.
+        # Tensors written back to the module are kept by it: never pool views.
+        n_outputs = len(analysis.owned)
+        kept = frozenset().union(
+            *analysis.returned_by[0 if not outputs_in_pool else n_outputs - len(traced.stored) :]
+        )
+        planned = [i for i in range(len(analysis.lifetimes)) if i not in kept]
+        index = {life: k for k, life in enumerate(planned)}
+        pairs = [
+            (index[a], index[b])
+            for a, b in analysis.inplace
+            if self.plan == "liveness" and a in index and b in index
+        ]
+        lifetimes = [analysis.lifetimes[i] for i in planned]
+        joined, member = merge(lifetimes, pairs)
+        share = self.plan == "liveness"
+        existing = self._capacities()
+        names, need = assign_slots(joined, existing, share=share, prefix=self.prefix)
+        slots: list[str | None] = [None] * len(analysis.lifetimes)
+        for k, i in enumerate(planned):
+            slots[i] = names[member[k]]
+        # Whole multiples of 16 bytes, so a slot's bytes view as any dtype.
+        slot_bytes = {name: -(-n // 16) * 16 for name, n in need.items()}
+        for name, nbytes in slot_bytes.items():
+            # Grow now, once: views fetched during a call then never see a growth.
+            self.pool.tensor(name, (nbytes,), torch.uint8)
+        placeholders = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        # Inputs (and targets) may be views into these very slots: the runner copies those.
+        guarded = range(placeholders - n_data, placeholders)
+        runner, source = generate(
+            gm, analysis.steps, slots, slot_bytes, self.device, label, guarded
+        )
+        alone = assign_slots(joined, {}, share=share, prefix=self.prefix)[1]
+        summary = PlanSummary(
+            plan=self.plan,
+            signature=label,
+            nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
+            pooled_values=len(planned),
+            slots=len(alone),
+            pooled_bytes=sum(alone.values()),
+            per_node_bytes=sum(life.nbytes for life in lifetimes),
+            added_bytes=sum(max(0, n - existing.get(name, 0)) for name, n in slot_bytes.items()),
+            unpooled_bytes=analysis.unpooled_bytes,
+            unpooled_ops=analysis.unpooled_ops,
+        )
+        return Compiled(
+            runner,
+            source,
+            summary,
+            analysis.owned,
+            analysis.unpooled_bytes,
+            traced.stored,
+            autocast,
+            traced.spec,
+        )
+
+    def _capacities(self) -> dict[str, int]:
+        slots = {}
+        for name in self.pool.names():
+            if name.startswith(self.prefix) and name[len(self.prefix) :].isdigit():
+                slots[name] = self.pool.blob(name).data_memory.device_capacity
+        return slots
+
+    def _run(self, compiled: Compiled, binding: Binding, flat: list[torch.Tensor]) -> list[Any]:
+        """Run the graph; write back what it stores on the module; return the other outputs."""
+        self._last = compiled
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # as torch.no_grad(), without its per-call cost
+        if compiled.autocast:  # the recorded ops are already cast: run them as they are
+            torch.set_autocast_enabled(self._device_type, False)
+        try:
+            outputs = compiled.runner(self.pool.tensor, *flat)
+        finally:
+            torch._C._set_grad_enabled(enabled)
+            if compiled.autocast:
+                torch.set_autocast_enabled(self._device_type, True)
+        if compiled.unpooled_bytes:
+            self.pool.count_unpooled(compiled.unpooled_bytes)
+        if not compiled.stored:
+            return outputs
+        n = len(outputs) - len(compiled.stored)
+        for place, value, owned in zip(
+            compiled.stored, outputs[n:], compiled.owned[n:], strict=True
+        ):
+            module = binding.modules[place.path]
+            value = value if owned else value.clone()
+            if place.kind == "_buffers" and place.attr not in module._buffers:
+                module.register_buffer(place.attr, value)  # registered during the forward
+            else:
+                setattr(module, place.attr, value)  # as the forward's assignment did
+        return outputs[:n]
+
+
+def describe(what: str, *trees: Leaves) -> str:
+    shapes = ", ".join(
+        f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        for lv in trees
+        for t in lv.tensors
+    )
+    return f"{what} [{shapes}]"
