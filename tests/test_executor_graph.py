@@ -6,7 +6,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from sharedmem._executor.graph import analyse
-from sharedmem._executor.ops import Kind
+from sharedmem._executor.ops import Kind, rule_for
 
 CPU = torch.device("cpu")
 
@@ -68,3 +68,50 @@ def test_outputs_are_returned_and_owned_when_whole_and_unshared() -> None:
 
     _, analysis, _ = lifetime_by_op(whole, torch.randn(3))
     assert analysis.owned == (True,)
+
+
+def test_strided_results_are_pooled_only_where_the_kernel_writes_through_strides() -> None:
+    aten = torch.ops.aten
+
+    def fn(g: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        gt = g.t()  # column-major
+        # The traced layout of this backward follows gt (column-major), but its CPU out=
+        # kernel writes row-major whatever out's strides: it must allocate as eager does.
+        grad = aten._log_softmax_backward_data(gt, out, 0, torch.float32)
+        return grad, gt * 2, gt.sum(1, keepdim=True), out.softmax(0)
+
+    x = torch.randn(4, 4)
+    _, analysis, _ = lifetime_by_op(fn, x, x)
+    kinds = {s.node.target: s.rule.kind for s in analysis.steps}
+    assert kinds[aten._log_softmax_backward_data.default] is Kind.PLAIN
+    assert kinds[aten.mul.Tensor] is Kind.OUT  # pointwise: TensorIterator honours strides
+    assert kinds[aten.sum.dim_IntList] is Kind.OUT  # a reduction, likewise
+    assert kinds[aten._softmax.default] is Kind.OUT  # a contiguous result: any kernel fits
+
+
+def test_pointwise_and_reduction_out_kernels_write_through_any_strides() -> None:
+    # What the rule above relies on, for the out= kernels of common ops of both kinds.
+    aten = torch.ops.aten
+    x, y = torch.randn(3, 4, 5, dtype=torch.float64), torch.randn(3, 4, 5, dtype=torch.float64)
+    cases = [
+        (aten.mul.Tensor, (x, y)),
+        (aten.where.self, (x > 0, x, y)),
+        (aten.threshold_backward.default, (x, y, 0.0)),
+        (aten.sum.dim_IntList, (x, [1], False)),
+        (aten.amax.default, (x, [2], True)),
+        (aten.max.dim, (x, 1, True)),
+    ]
+    for op, args in cases:
+        rule = rule_for(op, "cpu")
+        assert rule.kind is Kind.OUT and rule.out_op is not None, op
+        result = op(*args)
+        expected = list(result) if isinstance(result, tuple) else [result]
+        outs = []
+        for e in expected:
+            backwards = list(range(e.dim()))[::-1]
+            out = torch.empty([e.shape[d] for d in backwards], dtype=e.dtype).permute(backwards)
+            assert not out.is_contiguous()  # same shape, strides in the opposite order
+            outs.append(out)
+        rule.out_op(*args, **dict(zip(rule.out_names, outs, strict=True)))
+        for out, e in zip(outs, expected, strict=True):
+            assert torch.equal(out, e), op

@@ -5,6 +5,11 @@ exactly the values it aliases (views, in-place results, ``detach``), so the life
 pooled intermediate ends at the last read of any tensor on its storage. This needs no list of
 view ops; where a view's fake result shows a fresh storage anyway, it is taken to alias all
 of its inputs.
+
+A pooled result must hold its value in exactly the layout the trace gave it: later ops were
+traced against that layout (the views taken of it, a result written over it). An out= kernel
+that may ignore ``out``'s strides is therefore given a pool view only where that layout is
+contiguous, and otherwise allocates as it does in eager.
 """
 
 from __future__ import annotations
@@ -263,9 +268,26 @@ def _rule(node: Node, device: torch.device, *, all_fresh: bool) -> OpRule:
         return _PLAIN
     if not all(_poolable(r, device) for r in results):
         return _PLAIN
+    if rule.kind is Kind.OUT and not _writes_through_strides(target) and not _contiguous(results):
+        return _PLAIN  # eager's own allocation, in the layout its kernel really writes
     if rule.kind is not Kind.OUT and _buffer(results[0]) is None:  # type: ignore[arg-type]
         return _PLAIN  # a zero-byte factory or copy: nothing to pool
     return rule
+
+
+def _writes_through_strides(op: OpOverload) -> bool:
+    # Pointwise ops and reductions run on TensorIterator, which writes through ``out``'s own
+    # strides. Other out= kernels may assume ``out`` is contiguous: the softmax family
+    # (``_softmax``, ``_log_softmax`` and their backwards, on CPU) writes its result row-major
+    # whatever strides ``out`` has. Where the trace's layout for such an op is not contiguous
+    # (``_log_softmax_backward_data`` of a transposed gradient: the fake kernel follows the
+    # gradient's strides, the real one writes contiguously) a pool view in the traced layout
+    # would be read back transposed.
+    return torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags
+
+
+def _contiguous(results: list[object]) -> bool:
+    return all(isinstance(r, torch.Tensor) and r.is_contiguous() for r in results)
 
 
 def _storage(t: torch.Tensor) -> StorageWeakRef:
