@@ -12,12 +12,16 @@ The CUDA modules, one responsibility each:
 * ``cuda_vmm``, ``cudart``, ``cuda_torch``: the three device backends;
 * ``cuda_pinned``: the pinned host side.
 
-**Choice.** ``vmm`` (stable addresses, growth without copying) is the default wherever the
-device reports ``CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED``; elsewhere the
-default is ``cudart``, and ``torch`` where cuda-python cannot be loaded at all. Naming a
-backend the device cannot serve raises ``SharedMemError`` instead of silently falling back.
-The host side is the pinned reserved range where the device can register host memory, and
-pinned tensors from PyTorch otherwise.
+**Choice.** The default is the first of ``vmm`` (stable addresses, growth without copying),
+``cudart`` and ``torch`` that can run here: ``vmm`` where the device reports
+``CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`` and a trial reservation works,
+``cudart`` where cuda-python's runtime works with the installed driver (cuda-python 13 brings
+the CUDA 13 runtime, which needs a driver of 580 or later), and ``torch``, which needs nothing
+but PyTorch, everywhere else. Each is tried once per device. Naming a backend that cannot run
+raises ``SharedMemError`` with the reason and the fix instead of silently falling back.
+The host side is the pinned reserved range where a trial registration of one page through the
+driver API works, and pinned tensors from PyTorch otherwise; neither depends on cuda-python's
+runtime, so the host side works wherever PyTorch does.
 
 **Contexts.** Driver and cuda-python runtime calls run with device N's primary context pushed
 (the one PyTorch uses), so ``cuda:N`` allocates on device N whatever the current device is.
@@ -40,19 +44,45 @@ if TYPE_CHECKING:
     from ._base import Backend
 
 __all__ = [
+    "MATCH_ADVICE",
     "DeviceOutOfMemory",
     "attribute",
     "bindings",
     "check",
     "default_backend",
     "device_index",
+    "error_name",
     "on_device",
     "placement",
+    "usable_backends",
     "vmm_supported",
 ]
 
 # The error codes that mean "no memory" in the driver and the runtime API.
 _OOM_NAMES = frozenset({"CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation"})
+# The codes that mean this installation cannot do it at all: a driver older than the CUDA that
+# cuda-python brings, no device, a stub library. Nothing sharedmem did wrong.
+_SETUP_NAMES = frozenset(
+    {
+        "cudaErrorInsufficientDriver",
+        "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
+        "cudaErrorSystemDriverMismatch",
+        "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE",
+        "cudaErrorCompatNotSupportedOnDevice",
+        "cudaErrorCallRequiresNewerDriver",
+        "CUDA_ERROR_NO_DEVICE",
+        "cudaErrorNoDevice",
+        "CUDA_ERROR_STUB_LIBRARY",
+        "cudaErrorStubLibrary",
+        "CUDA_ERROR_NOT_SUPPORTED",
+        "cudaErrorNotSupported",
+    }
+)
+# What to do when cuda-python and the driver do not match.
+MATCH_ADVICE = (
+    "Install the cuda-python that matches the driver (pip install 'cuda-python<13' for a "
+    "driver older than 580, the CUDA 12 ones), or upgrade the driver"
+)
 
 
 class DeviceOutOfMemory(Exception):
@@ -75,13 +105,14 @@ def bindings() -> SimpleNamespace:
             raise SharedMemError(
                 f"sharedmem: cuda-python cannot be imported ({new_path}); the 'vmm' and "
                 "'cudart' backends and pinned host growth need it. Install the cuda-python "
-                "that matches your driver (pip install 'cuda-python>=12'), or use "
-                "backend='torch'."
+                "that matches your driver (pip install 'cuda-python<13' for a driver older "
+                "than 580, 'cuda-python>=13' otherwise), or use backend='torch'."
             ) from None
     return SimpleNamespace(driver=driver, runtime=runtime)
 
 
-def _error_name(error: Any) -> str:
+def error_name(error: Any) -> str:
+    """The name of a cuda-python error code (``CUDA_ERROR_OUT_OF_MEMORY``)."""
     return str(getattr(error, "name", error))
 
 
@@ -92,12 +123,19 @@ def check(result: tuple[Any, ...], what: str) -> Any:
     """
     error = result[0]
     if int(error) != 0:
-        name = _error_name(error)
+        name = error_name(error)
         if name in _OOM_NAMES:
             raise DeviceOutOfMemory(f"{what}: {name}")
+        if name in _SETUP_NAMES:
+            raise SharedMemError(
+                f"sharedmem: {what} failed with {name} ({int(error)}): this CUDA installation "
+                "cannot do it (the driver, cuda-python and the device must fit together). "
+                f"{MATCH_ADVICE}; or use backend='torch'."
+            )
         raise SharedMemError(
-            f"sharedmem: {what} failed with {name} ({int(error)}). If the device is healthy "
-            "this is a bug in sharedmem; please report it with this message."
+            f"sharedmem: {what} failed with {name} ({int(error)}). An earlier fault on the "
+            "device (an illegal memory access in any kernel) makes every later call fail; if "
+            "the device is healthy, please report this to sharedmem with this message."
         )
     if len(result) == 1:
         return None
@@ -169,15 +207,32 @@ def on_device(index: int) -> Iterator[None]:
 
 @functools.cache
 def default_backend(index: int) -> str:
-    """The backend ``device="cuda:N"`` gets when none is named."""
+    """The backend ``device="cuda:N"`` gets when none is named: the first that can run here."""
+    return next(kind for kind in _PREFERENCE if _builds(index, kind))
+
+
+def usable_backends(index: int) -> tuple[str, ...]:
+    """The backends that can run on device ``index`` here, in order of preference."""
+    return tuple(kind for kind in _PREFERENCE if _builds(index, kind))
+
+
+_PREFERENCE = ("vmm", "cudart", "torch")  # torch needs nothing but PyTorch: always last
+
+
+def _builds(index: int, kind: str) -> bool:
+    # Building a backend runs its checks: a trial reservation for vmm, a trial call of
+    # cuda-python's runtime for cudart.
     try:
-        return "vmm" if vmm_supported(index) else "cudart"
-    except SharedMemError:  # cuda-python cannot be loaded or cannot reach the driver
-        return "torch"
+        _device_backend(index, kind)
+    except SharedMemError:
+        return False
+    return True
 
 
 @functools.cache
 def _device_backend(index: int, kind: str) -> Backend:
+    # Cached per (device, kind) when it can be built; a failure is not cached (its checks
+    # are), so naming the backend again says why once more.
     device = f"cuda:{index}"
     if kind == "torch":
         from .cuda_torch import TorchCudaBackend
@@ -200,13 +255,11 @@ def _device_backend(index: int, kind: str) -> Backend:
 
 @functools.cache
 def _host_backend(index: int) -> Backend:
-    from .cuda_pinned import PinnedPageableBackend, PinnedReservedBackend
+    from .cuda_pinned import PinnedPageableBackend, PinnedReservedBackend, registration_works
 
-    try:
-        registrable = attribute(index, "CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED") != 0
-    except SharedMemError:
-        registrable = False
-    return PinnedReservedBackend(index) if registrable else PinnedPageableBackend(index)
+    return (
+        PinnedReservedBackend(index) if registration_works(index) else PinnedPageableBackend(index)
+    )
 
 
 def placement(device: str, backend: str | None) -> Placement:

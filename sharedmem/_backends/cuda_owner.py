@@ -6,6 +6,22 @@ storage's deleter, so every view of the block keeps the bytes valid. Freeing a b
 only drops our reference: the bytes go back to the device when the last view is gone, which is
 at once when no view outlives the block, and never under a live tensor.
 
+A block's tensor spans its capacity, not the whole owner: a reservation is mostly unmapped
+address space, and ``torch.save``, pickling or ``deepcopy`` of a view read its whole storage.
+``Owner.tensor(nbytes)`` wraps the first ``nbytes`` at the same address, so a view taken before
+a growth stays valid and nothing is copied.
+
+Giving memory back synchronizes the whole device first, also when the last view dies in a
+finalizer. A narrower wait (an event on the stream the memory was last used on) is not enough:
+the views are the user's tensors, used on any stream, and unmapping or unregistering pages
+that a kernel or copy still touches is an illegal address that kills the CUDA context, not a
+race on stale bytes. The cost is a host stall until the work already issued is done, paid only
+when memory goes back (``shrink_to_fit``, ``release``, a moving growth, or the last view of
+such memory dying), never in a steady-state loop. A memory caught in a reference cycle goes
+back when the garbage collector runs, at a moment of its choosing: call ``release()`` to
+choose it. During a CUDA graph capture, where synchronizing is illegal, the free waits for the
+next allocation (``reclaim``).
+
 A failed allocation empties PyTorch's cache once and tries again before it raises
 ``OutOfMemoryError``; blocks are immutable, so nothing held is lost.
 """
@@ -101,26 +117,17 @@ class Owner:
         self.nbytes = nbytes
         self.closed = False
 
-    @property
-    def __cuda_array_interface__(self) -> dict[str, object]:
-        return {
-            "shape": (self.nbytes,),
-            "typestr": "|u1",
-            "data": (self.address, False),
-            "strides": None,
-            "version": 3,
-            "stream": None,  # nothing in flight when a block is wrapped
-        }
-
-    def tensor(self) -> torch.Tensor:
-        """A 1-D uint8 tensor over all ``nbytes`` that keeps this owner alive."""
+    def tensor(self, nbytes: int | None = None) -> torch.Tensor:
+        """A 1-D uint8 tensor over the first ``nbytes`` (default: all) that keeps this alive."""
+        nbytes = self.nbytes if nbytes is None else nbytes
+        assert 0 < nbytes <= self.nbytes, (nbytes, self.nbytes)
         device = torch.device("cuda", self.index)
         # With an explicit index PyTorch takes the device as given (older versions ask
         # cudaPointerGetAttributes); either way no byte is copied, which we check.
-        tensor = torch.as_tensor(self, device=device)
+        tensor = _wrap(_Window(self, nbytes), device)
         if tensor.data_ptr() != self.address or tensor.device != device:
             raise SharedMemError(
-                f"sharedmem: wrapping {self.nbytes:,} bytes at {self.address:#x} on {device} "
+                f"sharedmem: wrapping {nbytes:,} bytes at {self.address:#x} on {device} "
                 f"gave a tensor at {tensor.data_ptr():#x} on {tensor.device}; this PyTorch "
                 "does not wrap device memory in place. Use backend='torch'."
             )
@@ -137,6 +144,36 @@ class Owner:
     def __del__(self) -> None:
         if not getattr(self, "closed", True):
             reclaim(self.close)
+
+
+class _Window:
+    """The first ``nbytes`` of an owner's memory as ``__cuda_array_interface__``.
+
+    Holds the owner: the tensor wrapping this window holds the window, so the owner lives as
+    long as any view of any of its windows.
+    """
+
+    __slots__ = ("nbytes", "owner")
+
+    def __init__(self, owner: Owner, nbytes: int) -> None:
+        self.owner = owner
+        self.nbytes = nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, object]:
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.owner.address, False),
+            "strides": None,
+            "version": 3,
+            "stream": None,  # nothing in flight when a block is wrapped
+        }
+
+
+def _wrap(memory: _Window, device: torch.device) -> torch.Tensor:
+    # PyTorch keeps a reference to ``memory`` in the storage's deleter.
+    return torch.as_tensor(memory, device=device)
 
 
 def out_of_memory(requested: int, device: str, why: str = "") -> OutOfMemoryError:

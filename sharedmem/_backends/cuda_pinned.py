@@ -4,23 +4,35 @@ Copies between host and device are only truly asynchronous from page-locked memo
 allocating page-locked memory costs milliseconds a call, so the host side is pinned once per
 growth and reused, never re-pinned per step. It is the reserved address range of ``host.py``
 (a large ``MAP_NORESERVE`` mapping that grows in place) with the committed part registered
-with ``cudaHostRegister``: each growth registers just the new part, shrinking unregisters what
-lies beyond the new capacity (re-registering the shortened last range) and hands the pages
-back with ``madvise``, releasing unregisters everything.
+through the driver API (``cuMemHostRegister``): each growth registers just the new part,
+shrinking unregisters what lies beyond the new capacity (re-registering the shortened last
+range) and hands the pages back with ``madvise``, releasing unregisters everything. As on the
+plain reserved range, each block's tensor spans exactly its capacity (``host.window``).
+
+The driver API, not a runtime: cuda-python's runtime is the CUDA of cuda-python's version and
+refuses an older driver, and PyTorch's runtime keeps a failed registration as its "last error"
+and raises it at the next kernel launch. The driver API answers with the driver PyTorch runs
+on and keeps no such state. Where a trial registration of one page fails (cuda-python missing
+or unable to reach the driver, or ``CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED`` is 0),
+blocks are pinned tensors from PyTorch's host allocator (``pin_memory=True``), which move when
+they grow: the host side works wherever PyTorch does.
 
 Trade-offs:
 
 * One registration per growth. Registering costs roughly as much as touching the pages once
   (the driver locks and maps them), so a growth costs about what first use would anyway;
-  a shrink that cuts a registration re-registers the part kept.
+  a shrink that cuts a registration re-registers the part kept. A memory grown in steps is
+  several registrations, and a copy over it spans them all; that this costs no bandwidth is
+  expected (the driver looks each page up) but not yet measured on a GPU.
 * Registered pages cannot be swapped out: pinning much more than the working set starves the
-  rest of the system, as any pinned allocation does.
+  rest of the system, as any pinned allocation does. A growth past the machine's memory and
+  swap is refused before anything is registered.
 * The device is synchronized before anything is unregistered, so no copy still running can
-  read or write pages that are no longer pinned.
-
-Where the range cannot be reserved, or the device cannot register host memory
-(``CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED`` is 0), blocks are pinned tensors from
-PyTorch's host allocator (``pin_memory=True``), which move when they grow.
+  read or write pages that are no longer pinned (see ``cuda_owner`` for why no narrower wait).
+* A growth past the reserved range moves the block, as on the plain reserved range: views
+  taken before keep the old bytes. The old range is unregistered when the old block is
+  collected (at once, normally), so it is pageable from then on; it is unmapped with its last
+  view. ``release`` and ``shrink_to_fit`` hand the pages back: views reaching there read zeros.
 """
 
 from __future__ import annotations
@@ -30,13 +42,18 @@ import warnings
 
 import torch
 
-from .._errors import OutOfMemoryError
+from .._errors import OutOfMemoryError, SharedMemError
 from ._base import Block, MovingBackend
 from .cuda import DeviceOutOfMemory, bindings, check, on_device
 from .cuda_owner import Meter, reclaim
-from .host import ReservedBackend
+from .host import ReservedBackend, commit_limit, window
 
-__all__ = ["PinnedPageableBackend", "PinnedReservedBackend", "split_ranges"]
+__all__ = [
+    "PinnedPageableBackend",
+    "PinnedReservedBackend",
+    "registration_works",
+    "split_ranges",
+]
 
 Range = tuple[int, int]  # (offset, size) of one registration
 
@@ -53,6 +70,32 @@ def split_ranges(ranges: list[Range], end: int) -> tuple[list[Range], list[Range
     return kept, dropped, cut
 
 
+def _register_range(index: int, address: int, size: int) -> None:
+    driver = bindings().driver
+    with on_device(index):  # the driver API needs a current context
+        check(
+            driver.cuMemHostRegister(address, size, driver.CU_MEMHOSTREGISTER_PORTABLE),
+            f"cuMemHostRegister({size:,} bytes)",
+        )
+
+
+def _unregister_range(index: int, address: int) -> None:
+    with on_device(index):
+        check(bindings().driver.cuMemHostUnregister(address), "cuMemHostUnregister")
+
+
+def registration_works(index: int) -> bool:
+    """Whether host memory can be registered for device ``index`` here (one page, once)."""
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    address = torch.frombuffer(page, dtype=torch.uint8).data_ptr()
+    try:
+        _register_range(index, address, mmap.PAGESIZE)
+    except (SharedMemError, DeviceOutOfMemory, RuntimeError):
+        return False  # RuntimeError: cuda-python cannot load the driver library
+    _unregister_range(index, address)
+    return True
+
+
 def _host_oom(requested: int, meter: Meter, index: int, why: str) -> OutOfMemoryError:
     detail = (
         f"Could not pin host memory for cuda:{index} ({why}); sharedmem has "
@@ -62,11 +105,21 @@ def _host_oom(requested: int, meter: Meter, index: int, why: str) -> OutOfMemory
     return OutOfMemoryError(requested, meter.held, None, "cpu", detail)
 
 
+def _check_committable(nbytes: int) -> None:
+    # MAP_NORESERVE skips the kernel's own check; pinning past it would meet the OOM killer.
+    limit = commit_limit()
+    if nbytes > limit:
+        raise OutOfMemoryError(
+            nbytes, 0, None, "cpu", f"that is more than this machine's memory and swap ({limit:,})"
+        )
+
+
 class _Pins:
     """The registered parts of one reserved host range, contiguous from its start.
 
     Holds the mapping, so the pages are always unregistered before they are unmapped; what is
-    still registered when this object is collected is unregistered then.
+    still registered when this object is collected (with the last block that uses it) is
+    unregistered then.
     """
 
     def __init__(self, mapping: mmap.mmap, address: int, index: int, meter: Meter) -> None:
@@ -81,13 +134,7 @@ class _Pins:
         return self.ranges[-1][0] + self.ranges[-1][1] if self.ranges else 0
 
     def _register(self, offset: int, size: int) -> None:
-        runtime = bindings().runtime
-        with on_device(self.index):
-            at = self.address + offset
-            check(
-                runtime.cudaHostRegister(at, size, runtime.cudaHostRegisterPortable),
-                "cudaHostRegister",
-            )
+        _register_range(self.index, self.address + offset, size)
         self.ranges.append((offset, size))
         self.meter.add(size)
 
@@ -103,14 +150,12 @@ class _Pins:
         """Unregister everything at or beyond ``end``; the part below stays registered."""
         if end >= self.end:
             return
-        runtime = bindings().runtime
         kept, dropped, cut = split_ranges(self.ranges, end)
         torch.cuda.synchronize(self.index)  # no copy may still use the pages we unpin
-        with on_device(self.index):
-            for offset, size in dropped:
-                check(runtime.cudaHostUnregister(self.address + offset), "cudaHostUnregister")
-                self.ranges.remove((offset, size))
-                self.meter.sub(size)
+        for offset, size in dropped:
+            _unregister_range(self.index, self.address + offset)
+            self.ranges.remove((offset, size))
+            self.meter.sub(size)
         assert self.ranges == kept, (self.ranges, kept)
         if cut is not None and cut[1] > 0:
             try:
@@ -154,7 +199,7 @@ class PinnedReservedBackend(ReservedBackend):
         mapping = self._map(nbytes)
         if mapping is None:  # no range to reserve: a pinned tensor, which moves when it grows
             return Block(_pinned_tensor(nbytes, self.meter, self.index), nbytes)
-        tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+        tensor = window(mapping, nbytes)
         pins = _Pins(mapping, tensor.data_ptr(), self.index, self.meter)
         pins.pin(nbytes)
         return Block(tensor, nbytes, pins)
@@ -162,11 +207,13 @@ class PinnedReservedBackend(ReservedBackend):
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         pins = block.handle
         if isinstance(pins, _Pins) and nbytes <= len(pins.mapping):
+            _check_committable(nbytes)
             pins.pin(nbytes)
-            return Block(block.tensor, nbytes, pins), 0
+            return Block(window(pins.mapping, nbytes), nbytes, pins), 0
+        # Past the range: move. The old block is not freed: views taken before keep its bytes
+        # (DESIGN §4), and its registration goes when the old block is collected.
         new = self._allocate(nbytes)
         new.tensor[:keep].copy_(block.tensor[:keep])
-        self._free(block)
         return new, keep
 
     def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
@@ -177,7 +224,7 @@ class PinnedReservedBackend(ReservedBackend):
             return new, keep
         pins.unpin(nbytes)  # unpinned pages first: pinned ones cannot be handed back
         pins.mapping.madvise(mmap.MADV_DONTNEED, nbytes, block.capacity - nbytes)
-        return Block(block.tensor, nbytes, pins), 0
+        return Block(window(pins.mapping, nbytes), nbytes, pins), 0
 
     def _free(self, block: Block) -> None:
         pins = block.handle

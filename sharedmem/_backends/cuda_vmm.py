@@ -10,12 +10,18 @@ the reservation moves the block to a reservation twice its new size and copies, 
 backend: rare with the default, and O(log n) times for a buffer that keeps growing.
 
 Shrinking synchronizes the device (unmapping does not wait for work in flight, unlike
-``cudaFree``) and unmaps and releases the chunks beyond the new capacity. The block's tensor
-spans the whole reservation, so it stays valid across growths, but the state machine only
-ever slices it below the capacity, so PyTorch never touches an unmapped page. A view taken
-before ``shrink_to_fit`` that reaches beyond the new capacity must not be used: on the GPU
-that is an illegal address, not zeros as on the host. Releasing is deferred to the last view
-(see ``cuda.Owner``), so a view that outlives ``release`` stays valid.
+``cudaFree``) and unmaps and releases the chunks beyond the new capacity. Each block's tensor
+spans exactly its capacity, at the reservation's address: a growth or shrink wraps a new one,
+so views taken before stay valid, and ``torch.save`` or ``deepcopy`` of a view never reads
+unmapped address space. A view taken before ``shrink_to_fit`` that reaches beyond the new
+capacity must not be used: on the GPU that is an illegal address, not zeros as on the host.
+Releasing is deferred to the last view (see ``cuda_owner``), so a view that outlives
+``release`` stays valid.
+
+Only an out-of-memory answer of ``cuMemAddressReserve`` or ``cuMemCreate`` counts as running
+out of memory (the cache is emptied and the call retried, then ``OutOfMemoryError``); any
+other error is a ``SharedMemError`` that names it. A trial reservation when the backend is
+built makes sure the driver serves these calls before ``vmm`` is chosen.
 
 Trade-offs: capacities are multiples of the granularity (2 MiB on current GPUs), so a
 100-byte buffer holds 2 MiB; many tiny buffers are better served by ``backend="torch"``.
@@ -25,16 +31,18 @@ a larger ``chunk`` makes big growths cheaper and shrinking coarser.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
+from .._errors import SharedMemError
 from ._base import Block, round_up
-from .cuda import DeviceOutOfMemory, bindings, check, device_index, on_device
+from .cuda import DeviceOutOfMemory, bindings, check, device_index, error_name, on_device
 from .cuda_owner import Meter, Owner, retry_on_oom
 from .cuda_streams import CudaBackend
 
-__all__ = ["VmmBackend", "access_desc", "allocation_prop", "reservation_sizes"]
+__all__ = ["VmmBackend", "access_desc", "allocation_prop", "reservation_sizes", "reserve_range"]
 
 
 def allocation_prop(index: int) -> Any:
@@ -67,6 +75,33 @@ def reservation_sizes(wanted: int, needed: int, granularity: int) -> list[int]:
     while sizes[-1] > needed:
         sizes.append(max(round_up(sizes[-1] // 2, granularity), needed))
     return sizes
+
+
+def reserve_range(index: int, sizes: list[int], alignment: int) -> tuple[int, int]:
+    """Reserve the first of ``sizes`` that the driver grants: ``(address, size)``.
+
+    Only an out-of-memory answer moves on to the next (smaller) size, and raises
+    ``DeviceOutOfMemory`` after the last; any other error raises ``SharedMemError``.
+    """
+    driver = bindings().driver
+    error: Any = None
+    with on_device(index):
+        for size in sizes:
+            error, address = driver.cuMemAddressReserve(size, alignment, 0, 0)
+            if int(error) == 0:
+                return int(address), size
+            if error_name(error) != "CUDA_ERROR_OUT_OF_MEMORY":
+                check((error,), f"cuMemAddressReserve({size:,})")
+    raise DeviceOutOfMemory(f"cuMemAddressReserve({sizes[-1]:,}) failed with {error_name(error)}")
+
+
+# Chunks are created and released through these two, so that a test can fail the k-th.
+def _create_chunk(size: int, prop: Any) -> Any:
+    return check(bindings().driver.cuMemCreate(size, prop, 0), "cuMemCreate")
+
+
+def _release_chunk(handle: Any) -> None:
+    check(bindings().driver.cuMemRelease(handle), "cuMemRelease")
 
 
 class _Reservation(Owner):
@@ -102,19 +137,20 @@ class _Reservation(Owner):
                 raise DeviceOutOfMemory(f"{(last - first) * self.chunk:,} bytes > {free:,} free")
             try:
                 for i in range(first, last):
-                    created.append(
-                        check(driver.cuMemCreate(self.chunk, self.prop, 0), "cuMemCreate")
-                    )
+                    created.append(_create_chunk(self.chunk, self.prop))
                     at = self.address + i * self.chunk
                     check(driver.cuMemMap(at, self.chunk, 0, created[-1], 0), "cuMemMap")
                     mapped += 1
                 start, size = self.address + first * self.chunk, (last - first) * self.chunk
                 check(driver.cuMemSetAccess(start, size, [self.access], 1), "cuMemSetAccess")
             except BaseException:
+                # Undo everything; the first error is the one to report, so these are not
+                # checked.
                 for i in range(first, first + mapped):
                     driver.cuMemUnmap(self.address + i * self.chunk, self.chunk)
                 for handle in created:
-                    driver.cuMemRelease(handle)
+                    with contextlib.suppress(Exception):
+                        _release_chunk(handle)
                 raise
         self.handles.extend(created)
         self.meter.add(len(created) * self.chunk)
@@ -131,7 +167,7 @@ class _Reservation(Owner):
             while len(self.handles) > keep:
                 at = self.address + (len(self.handles) - 1) * self.chunk
                 check(driver.cuMemUnmap(at, self.chunk), "cuMemUnmap")
-                check(driver.cuMemRelease(self.handles.pop()), "cuMemRelease")
+                _release_chunk(self.handles.pop())
                 self.meter.sub(self.chunk)
 
     def _close(self) -> None:
@@ -182,18 +218,25 @@ class VmmBackend(CudaBackend):
         total = torch.cuda.get_device_properties(index).total_memory
         self.reservation = self.round(reservation or min(total, 32 << 30))
         self.meter = Meter()
+        self._trial()
+
+    def _trial(self) -> None:
+        """Reserve and free one granule, so that a driver that cannot is found out now."""
+        try:
+            address, size = reserve_range(self.index, [self.granularity], self.alignment)
+        except DeviceOutOfMemory as error:
+            raise SharedMemError(
+                f"sharedmem: {self.device} cannot reserve device address space for "
+                f"backend='vmm' ({error}); use backend='cudart' or backend='torch'."
+            ) from None
+        with on_device(self.index):
+            check(bindings().driver.cuMemAddressFree(address, size), "cuMemAddressFree")
 
     def _reserve(self, nbytes: int) -> _Reservation:
-        driver = bindings().driver
-        error: Any = None
-        with on_device(self.index):
-            wanted = max(self.reservation, self.round(2 * nbytes))
-            for size in reservation_sizes(wanted, nbytes, self.granularity):
-                error, address = driver.cuMemAddressReserve(size, self.alignment, 0, 0)
-                if int(error) == 0:
-                    return _Reservation(self.index, int(address), size, self)
-        name = getattr(error, "name", error)
-        raise DeviceOutOfMemory(f"cuMemAddressReserve({nbytes:,}) failed with {name}")
+        wanted = max(self.reservation, self.round(2 * nbytes))
+        sizes = reservation_sizes(wanted, nbytes, self.granularity)
+        address, size = reserve_range(self.index, sizes, self.alignment)
+        return _Reservation(self.index, address, size, self)
 
     def _allocate(self, nbytes: int) -> Block:
         def attempt() -> _Reservation:
@@ -206,14 +249,14 @@ class VmmBackend(CudaBackend):
             return reservation
 
         reservation = retry_on_oom(attempt, nbytes, self.device)
-        return Block(reservation.tensor(), nbytes, reservation)
+        return Block(reservation.tensor(nbytes), nbytes, reservation)
 
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         reservation = block.handle
         assert isinstance(reservation, _Reservation), block
         if nbytes <= reservation.nbytes:
             retry_on_oom(lambda: reservation.map(nbytes), nbytes, self.device)
-            return Block(block.tensor, nbytes, reservation), 0
+            return Block(reservation.tensor(nbytes), nbytes, reservation), 0
         new = self._allocate(nbytes)  # beyond the reservation: move, and copy what we keep
         new.tensor[:keep].copy_(block.tensor[:keep])
         self._free(block)
@@ -223,7 +266,7 @@ class VmmBackend(CudaBackend):
         reservation = block.handle
         assert isinstance(reservation, _Reservation), block
         reservation.unmap(nbytes)
-        return Block(block.tensor, nbytes, reservation), 0
+        return Block(reservation.tensor(nbytes), nbytes, reservation), 0
 
     def _free(self, block: Block) -> None:
         pass  # the reservation is unmapped and freed when its last view is gone (module doc)

@@ -12,16 +12,52 @@ drops only our reference: the allocation's owner is referenced by every tensor v
 calls ``cudaFree`` when the last one is gone, which without outside views is at once. A view
 that outlives a release keeps its bytes (and their old content) alive until it dies.
 Freeing synchronizes the device first, as ``cudaFree`` always does.
+
+cuda-python's runtime module links its own CUDA runtime, of cuda-python's version: cuda-python
+13 needs a driver of 580 or later. The backend checks once that the runtime answers and, where
+it does not, says which versions disagree and how to fix it; the default backend then is
+another one (see ``cuda``).
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
+from .._errors import SharedMemError
 from ._base import Block
-from .cuda import bindings, check, on_device
+from .cuda import MATCH_ADVICE, bindings, check, error_name, on_device
 from .cuda_owner import Meter, Owner, retry_on_oom
 from .cuda_streams import CudaBackend
 
-__all__ = ["CudartBackend"]
+__all__ = ["CudartBackend", "runtime_problem"]
+
+
+def _version(number: int) -> str:
+    return f"{number // 1000}.{number % 1000 // 10}"  # 12090 -> "12.9"
+
+
+@functools.cache
+def runtime_problem() -> str | None:
+    """Why cuda-python's CUDA runtime cannot run in this process, or ``None`` when it can."""
+    runtime = bindings().runtime
+    error, count = runtime.cudaGetDeviceCount()
+    if int(error) == 0 and count:
+        return None
+    mine: Any = check(runtime.cudaRuntimeGetVersion(), "cudaRuntimeGetVersion")
+    error_driver, driver = runtime.cudaDriverGetVersion()
+    if int(error_driver) != 0 or not driver:
+        why = "no CUDA driver answers it"
+    elif driver < mine:
+        why = f"the driver supports CUDA {_version(driver)} at most"
+    else:
+        why = f"the driver supports CUDA {_version(driver)}"
+    found = error_name(error) if int(error) != 0 else "no device"
+    return (
+        f"cuda-python's runtime is CUDA {_version(mine)} and {why} (cudaGetDeviceCount: "
+        f"{found}). {MATCH_ADVICE}; or use backend='vmm' (the driver API alone) or "
+        "backend='torch'."
+    )
 
 
 class _Allocation(Owner):
@@ -53,7 +89,10 @@ class CudartBackend(CudaBackend):
     stable_address = False
 
     def __init__(self, device: str) -> None:
-        bindings()  # fail here, with the reason, when cuda-python cannot be loaded
+        # Fail here, with the reason and the fix, when cuda-python's runtime cannot run.
+        problem = runtime_problem()
+        if problem is not None:
+            raise SharedMemError(f"sharedmem: backend='cudart' cannot run on {device}: {problem}")
         super().__init__(device, granularity=512)
         self.meter = Meter()
 
