@@ -17,6 +17,19 @@ import sharedmem as sm
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU on this machine")
 
+
+def _cuda_marks(backend: str) -> list[pytest.MarkDecorator]:
+    """Skip marks for a CUDA backend: no GPU, or this backend cannot run on this one (a
+    cuda-python runtime newer than the driver, a device without virtual memory management)."""
+    if not HAS_CUDA:
+        return [requires_cuda]
+    from sharedmem._backends.cuda import usable_backends
+
+    if backend in usable_backends(0):
+        return []
+    return [pytest.mark.skip(reason=f"the {backend!r} CUDA backend cannot run on this GPU")]
+
+
 # Devices every generic test runs on: CI has cpu and emulated; a GPU machine adds cuda.
 DEVICES = [
     "cpu",
@@ -28,7 +41,7 @@ TWO_SIDED = [
     pytest.param(("emulated", "reserved"), id="emulated-reserved"),
     pytest.param(("emulated", "pageable"), id="emulated-pageable"),
     *(
-        pytest.param(("cuda", b), id=f"cuda-{b}", marks=[pytest.mark.cuda, requires_cuda])
+        pytest.param(("cuda", b), id=f"cuda-{b}", marks=[pytest.mark.cuda, *_cuda_marks(b)])
         for b in ("vmm", "cudart", "torch")
     ),
 ]
@@ -91,3 +104,8 @@ def _reset_torch_rng() -> None:
 def make_memory(placement: tuple[str, str], nbytes: int = 0) -> sm.SyncedMemory:
     device, backend = placement
     return sm.SyncedMemory(nbytes, device=device, backend=backend)
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the storage under ``tensor``, what ``torch.save`` or ``deepcopy`` reads."""
+    return int(tensor.untyped_storage().nbytes())

@@ -63,11 +63,13 @@ def test_the_kth_growth_fails_and_leaves_content_and_capacities_as_they_were(
     pool = sm.BufferPool(device, backend=backend, adaptors=[faults])
     size = 1000
     pool.tensor("x", (size,), torch.uint8).copy_(pattern(size, 0))
+    # Each step must pass the capacity: 2 MiB chunks on vmm.
+    more = max(5000, pool.blob("x").data_memory.placement.device_backend.granularity)
     for step in range(1, k + 1):
         blob = pool.blob("x")
         memory = blob.data_memory
         before = (memory.host_capacity, memory.device_capacity)
-        grown = size + 5000
+        grown = size + more
         if step < k:
             view = pool.tensor("x", (grown,), torch.uint8)
             view[size:].copy_(pattern(grown - size, step))
@@ -77,7 +79,7 @@ def test_the_kth_growth_fails_and_leaves_content_and_capacities_as_they_were(
             pool.tensor("x", (grown,), torch.uint8)
         assert caught.value.limit is None
         assert (memory.host_capacity, memory.device_capacity) == before
-    want = torch.cat([pattern(1000, 0)] + [pattern(5000, s) for s in range(1, k)])
+    want = torch.cat([pattern(1000, 0)] + [pattern(more, s) for s in range(1, k)])
     host, dev = both_sides(pool.blob("x").reshape(size))
     assert torch.equal(host, want) and torch.equal(dev, want)
     assert [f.kind for f in faults.fired] == ["grow"]
@@ -120,9 +122,11 @@ def test_a_failed_shrink_keeps_every_byte_below_the_size(
     device, backend = placement
     faults = FaultInjector(shrink=k)
     pool = sm.BufferPool(device, backend=backend, adaptors=[faults])
-    blob = pool.blob("b0", (14_397,), torch.uint8)
-    blob.data()  # the device side exists
-    pool.host_tensor("b0", (14_397,), torch.uint8).copy_(pattern(14_397, 1))
+    blob = pool.blob("b0", (0,), torch.uint8)
+    # Big enough that the trim shrinks both sides: 2 MiB chunks on vmm.
+    n = max(14_397, 2 * blob.data_memory.placement.device_backend.granularity + 397)
+    blob.reshape(n).data()  # the device side exists
+    pool.host_tensor("b0", (n,), torch.uint8).copy_(pattern(n, 1))
     blob.reshape(128)
     if k == 2 and device == "cpu":
         pytest.skip("cpu has one side, so a trim shrinks once")
@@ -130,7 +134,7 @@ def test_a_failed_shrink_keeps_every_byte_below_the_size(
         pool.trim()
     host, dev = both_sides(blob)
     assert torch.equal(host, pattern(128, 1)) and torch.equal(dev, pattern(128, 1))
-    grown = blob.reshape(14_397).data()  # bytes past 128 were dropped as asked, none lost
+    grown = blob.reshape(n).data()  # bytes past 128 were dropped as asked, none lost
     assert torch.equal(grown.view(torch.uint8)[:128].cpu(), pattern(128, 1))
 
 
