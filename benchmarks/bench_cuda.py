@@ -7,6 +7,9 @@ next to its target.
 * ``bandwidth``: host->device and device->host through SyncedMemory's synchronous accessors
   (pinned host side, copy on the current stream, fence) against a raw ``copy_`` between a
   pinned tensor and a device tensor of the same size. Target: at least 80% of the baseline.
+  Measured on a fresh memory (its host side pinned in one registration) and on one grown to
+  the same size in 16 steps, page-aligned and not, so a copy spans 16 registered ranges: the
+  host side of a growing buffer must stay as fast as a fresh one.
 * ``growth``: a buffer holding ``a`` bytes grows to ``2a``: time, bytes copied, and the peak
   of physical device memory during the growth divided by the new capacity (1.0 means "peak =
   new capacity", old + new is 1.5). ``torch.cuda.max_memory_allocated`` does not see memory
@@ -44,13 +47,11 @@ Result = dict[str, Any]
 
 
 def _backends(device: str) -> list[str]:
-    from sharedmem._backends.cuda import device_index, vmm_supported
+    """The device backends that can run here (vmm needs VMM support, cudart a cuda-python
+    runtime the driver can run), in order of preference."""
+    from sharedmem._backends.cuda import device_index, usable_backends
 
-    try:
-        vmm = vmm_supported(device_index(device))
-    except sm.SharedMemError:
-        vmm = False
-    return ["vmm", "cudart", "torch"] if vmm else ["cudart", "torch"]
+    return list(usable_backends(device_index(device)))
 
 
 def _interleaved(
@@ -77,10 +78,29 @@ def _timed(step: Callable[[], object], device: str) -> float:
     return time.perf_counter() - start
 
 
-def bench_bandwidth(device: str, backend: str, size: int, reps: int) -> list[Result]:
-    m = sm.SyncedMemory(size, device=device, backend=backend)
+def _grown(device: str, backend: str, size: int, steps: int, misalign: int) -> sm.SyncedMemory:
+    """A memory grown to ``size`` in ``steps`` growths of both sides (``misalign`` bytes past
+    each step's even share, so the registered ranges do not line up with 2 MiB)."""
+    m = sm.SyncedMemory(0, device=device, backend=backend)
+    for i in range(1, steps + 1):
+        m.set_size(min(size, i * size // steps + misalign))
+        m.mutable_host_data().fill_(1)
+        m.device_data()
+    m.set_size(size)
+    return m
+
+
+def bench_bandwidth(
+    device: str, backend: str, size: int, reps: int, layout: str = "fresh"
+) -> list[Result]:
+    """``layout``: ``"fresh"`` (one growth), ``"grown"`` or ``"grown+4K"`` (16 growths)."""
+    if layout == "fresh":
+        m = sm.SyncedMemory(size, device=device, backend=backend)
+    else:
+        m = _grown(device, backend, size, 16, 4096 if layout == "grown+4K" else 0)
     m.mutable_host_data().fill_(1)
     m.device_data()  # both sides allocated and synced: every measured step is one copy
+    host = m.placement.host.kind  # "pinned" (registered range) or "pinned-pageable"
     pinned = torch.ones(size, dtype=torch.uint8, pin_memory=True)
     on_device = torch.empty(size, dtype=torch.uint8, device=device)
 
@@ -102,17 +122,28 @@ def bench_bandwidth(device: str, backend: str, size: int, reps: int) -> list[Res
     for direction, ours, baseline in (("h2d", upload, raw_upload), ("d2h", download, raw_download)):
         ours(), baseline()  # warm-up
         t_ours, t_torch = _interleaved(ours, baseline, reps)
-        results.append(bandwidth_record(direction, backend, size, t_ours, t_torch))
+        results.append(
+            bandwidth_record(direction, backend, size, t_ours, t_torch, host=host, layout=layout)
+        )
     return results
 
 
 def bandwidth_record(
-    direction: str, backend: str, size: int, ours_s: float, torch_s: float
+    direction: str,
+    backend: str,
+    size: int,
+    ours_s: float,
+    torch_s: float,
+    *,
+    host: str = "pinned",
+    layout: str = "fresh",
 ) -> Result:
     return {
         "bench": "bandwidth",
         "direction": direction,
         "backend": backend,
+        "host": host,
+        "layout": layout,
         "bytes": size,
         "ours_s": ours_s,
         "torch_s": torch_s,
@@ -244,6 +275,10 @@ def measure(quick: bool, device: str, progress: Progress | None = None) -> list[
         for size in sizes:
             progress.say(f"cuda: bandwidth {backend} {size // MiB} MiB ...")
             results += bench_bandwidth(device, backend, size, reps)
+        grown = 64 * MiB if quick else 256 * MiB
+        for layout in ("grown", "grown+4K"):
+            progress.say(f"cuda: bandwidth {backend} {grown // MiB} MiB, {layout} ...")
+            results += bench_bandwidth(device, backend, grown, reps, layout)
         progress.say(f"cuda: view {backend} 64 MiB ...")
         results.append(bench_view(device, backend, 64 * MiB, reps, 200 if quick else 2000))
     progress.say("cuda: growth ...")
@@ -258,9 +293,11 @@ def rows(results: list[Result]) -> list[Row]:
     for r in results:
         mib = r["bytes"] >> 20
         if r["bench"] == "bandwidth":
+            shape = "" if r["layout"] == "fresh" else f", {r['layout']} in 16 steps"
+            host = "" if r["host"] == "pinned" else f", host {r['host']}"
             table.append(
                 row(
-                    f"sync {r['direction']} {r['backend']} {mib} MiB (GB/s)",
+                    f"sync {r['direction']} {r['backend']} {mib} MiB{shape}{host} (GB/s)",
                     r["ours_gbps"],
                     "GB/s",
                     baseline=r["torch_gbps"],

@@ -105,6 +105,9 @@ def cuda_records() -> list[dict[str, Any]]:
 
     return [
         bench_cuda.bandwidth_record("h2d", "vmm", 1 << 24, ours_s=1e-3, torch_s=0.9e-3),
+        bench_cuda.bandwidth_record(
+            "d2h", "torch", 1 << 26, 4e-3, 3e-3, host="pinned-pageable", layout="grown+4K"
+        ),
         bench_cuda.view_record("vmm", 1 << 26, ours_s=1e-6, torch_s=2e-6),
         bench_cuda.growth_record("vmm", 1 << 26, [sample(128 << 20, 0, True)], 2e-3),
         bench_cuda.growth_record("torch", 1 << 26, [sample(192 << 20, 1 << 26, False)], 2e-3),
@@ -115,6 +118,8 @@ def test_cuda_rows_come_from_the_cuda_benchmark_records() -> None:
     rows = {r["name"]: r for r in bench_cuda.rows(cuda_records())}
     bandwidth = rows["sync h2d vmm 16 MiB (GB/s)"]
     assert bandwidth["ratio"] == pytest.approx(0.9) and bandwidth["ok"] is True
+    grown = rows["sync d2h torch 64 MiB, grown+4K in 16 steps, host pinned-pageable (GB/s)"]
+    assert grown["ratio"] == pytest.approx(0.75) and grown["ok"] is False
     assert rows["pool view vmm 64 MiB (cuda)"]["ok"] is True
     assert rows["growth vmm 64->128 MiB: bytes copied"]["ok"] is True
     assert rows["growth vmm 64->128 MiB: peak / new capacity"]["ratio"] == 1.0
