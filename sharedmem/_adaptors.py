@@ -44,6 +44,9 @@ class BackendAdaptor(Backend):
     def _free(self, block: Block) -> None:
         self.upstream.free(block)
 
+    def will_move(self, block: Block, nbytes: int) -> bool:
+        return self.upstream.will_move(block, nbytes)
+
     def forget(self, block: Block) -> None:
         self.upstream.forget(block)
 
@@ -198,7 +201,8 @@ class LimitedBackend(BackendAdaptor):
             return super()._allocate(nbytes)
 
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
-        # The limit caps what is held at any moment, the peak of a moving growth included.
-        held = 0 if self.stable_address else block.capacity
+        # The limit caps what is held at any moment, the peak of a moving growth included (a
+        # stable-address block moves too, once it outgrows its reserved range).
+        held = block.capacity if self.will_move(block, nbytes) else 0
         with self._within_limit(block.capacity, nbytes, held):
             return super()._grow(block, nbytes, keep)

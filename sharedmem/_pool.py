@@ -26,7 +26,6 @@ __all__ = ["BufferPool"]
 # to still use that memory: share_data switches a name to another memory without changing
 # either memory's stamp.
 _Entry = tuple[object, torch.dtype, SyncedMemory, int, torch.Tensor, Blob]
-_INT = {int}
 
 
 class BufferPool(PoolFigures):
@@ -216,7 +215,8 @@ class BufferPool(PoolFigures):
             and entry[2].version == entry[3]
             and entry[5]._data is entry[2]  # not since left by share_data
             # The shape as asked for before, spelt alike and with int elements: (2.0, 3.0)
-            # equals (2, 3) but is no shape, and must fail here as on the slow path.
+            # equals (2, 3) but is no shape, and must fail here as on the slow path. A key is
+            # only ever kept as the caller's own object when it holds nothing mutable.
             and type(shape) is type(entry[0])
             and (shape is entry[0] or (shape == entry[0] and _plain(shape)))
         ):
@@ -250,28 +250,28 @@ class BufferPool(PoolFigures):
         dtype: torch.dtype,
         access: Callable[[Blob], torch.Tensor],
     ) -> torch.Tensor:
-        check_dtype(dtype)  # checked here too: ``dtype=None`` would mean "keep the old one"
-        blob = self._blobs.get(name) if isinstance(name, str) else None
-        # What a refused growth must put back: the request changes nothing that stays.
-        before = None if blob is None else blob._typing()
-        blob = self.blob(name, shape, dtype)
+        check_name(name)
+        size, kind = check_shape(shape), check_dtype(dtype)  # before anything changes
+        blob = self.blob(name)
         memory = blob.data_memory
-        # Remember the shape as the caller spells it, to compare with the next call's: a
-        # tuple, Size or int as it is, a list as a copy (the caller may change theirs), and
-        # anything else (an array) as a tuple, which only ever matches a tuple.
-        key: object = shape
-        if type(shape) is list:
-            key = list(shape)
-        elif type(shape) not in (tuple, int, torch.Size):
-            key = tuple(blob.shape)
-        try:
-            with memory._lock:  # the view and its stamp must describe the same state
+        # Remember the shape as the caller spells it, to compare with the next call's: an int,
+        # a Size or a tuple of ints as it is, a list of ints as a copy (the caller may change
+        # theirs); anything else (numpy ints, an array) as a plain tuple, which such a call
+        # never matches: tuples of ints are the fast spelling.
+        key: object = tuple(size)
+        if _plain(shape):
+            key = list(shape) if type(shape) is list else shape
+        # Under the memory's lock from the reshape to the cached view: a request that fails
+        # puts the blob back before another thread's request on this name can see it.
+        with memory._lock:
+            before = blob._typing()
+            blob.retype(size, kind)
+            try:
                 view = access(blob)
-                cache[name] = (key, dtype, memory, memory.version, view, blob)
-        except BaseException:
-            if before is not None:
-                blob._restore_typing(before)
-            raise
+            except BaseException:
+                blob._restore_typing(before)  # a refused request changes nothing
+                raise
+            cache[name] = (key, dtype, memory, memory.version, view, blob)
         if blob.nbytes > self._high_water.get(name, 0):
             self._high_water[name] = blob.nbytes
         return view.detach()
@@ -308,7 +308,16 @@ class BufferPool(PoolFigures):
 
 
 def _plain(shape: object) -> bool:
-    """``shape`` is an int or a sequence of ints, nothing that merely compares equal."""
-    if type(shape) is int:
+    """``shape`` is an int, a Size, or a tuple or list of ints: nothing that merely compares
+    equal to one (a float, a 0-d tensor) and nothing mutable inside."""
+    kind = type(shape)
+    if kind is tuple or kind is list:  # the common spellings first: this is the hot path
+        # A loop, not all(...): a generator costs four times as much.
+        for dim in shape:  # type: ignore[attr-defined]  # noqa: SIM110
+            if type(dim) is not int:
+                return False
         return True
-    return {*map(type, shape)} <= _INT  # type: ignore[call-overload]
+    return kind is int or kind is _SIZE
+
+
+_SIZE = torch.Size  # a module global: no attribute lookup on torch per call

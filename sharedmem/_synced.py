@@ -164,7 +164,7 @@ class SyncedMemory(ExternalCopies):
         if n != self._size:
             with self._lock:  # an accessor in another thread must not see the size change
                 self._size = n
-                self.version = next(_stamps)
+                self._touch()
 
     # ---- accessors -----------------------------------------------------------------------
 
@@ -252,7 +252,7 @@ class SyncedMemory(ExternalCopies):
             finally:
                 if self._host.block is None and self._device.block is None:
                     self._head = Head.UNINITIALIZED
-                self.version = next(_stamps)  # a block may have moved even if one side failed
+                self._touch()  # a block may have moved even if one side failed
             return freed
 
     def release(self) -> int:
@@ -264,7 +264,7 @@ class SyncedMemory(ExternalCopies):
             freed = sum(side.free() for side in self._sides())
             self._written = 0
             self._head = Head.UNINITIALIZED
-            self.version = next(_stamps)
+            self._touch()
             return freed
 
     def release_device(self) -> int:
@@ -294,7 +294,7 @@ class SyncedMemory(ExternalCopies):
                 self._reserve(other, self._written)
                 self._fill(other, self._written)
             self._head = after
-            self.version = next(_stamps)
+            self._touch()
             return side.free()
 
     # ---- the state machine -----------------------------------------------------------------
@@ -344,12 +344,16 @@ class SyncedMemory(ExternalCopies):
             other.valid = 0
         self._set_head(Head.AT_HOST if side is self._host else Head.AT_DEVICE)
 
+    def _touch(self) -> None:
+        """A new stamp: something a cached view depends on changed."""
+        self.version = next(_stamps)
+
     def _set_head(self, head: Head) -> None:
         # A new stamp only when something changed: a read that changes nothing keeps the
         # views a cache (the pool's fast path) holds valid.
         if head is not self._head:
             self._head = head
-            self.version = next(_stamps)
+            self._touch()
 
     # ---- mechanics -----------------------------------------------------------------------
 
@@ -361,7 +365,7 @@ class SyncedMemory(ExternalCopies):
         if nbytes > side.capacity:
             self.grow_copy_bytes += side.grow(nbytes)
             self.num_grows += 1
-            self.version = next(_stamps)
+            self._touch()
 
     def _fill(
         self, dst: Side, upto: int, stream: object = None, asynchronous: bool = False
@@ -385,4 +389,4 @@ class SyncedMemory(ExternalCopies):
             self.host_to_device_bytes += upto - start
         dst.fence = src.fence = fence
         dst.valid = upto
-        self.version = next(_stamps)
+        self._touch()

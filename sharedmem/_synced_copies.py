@@ -37,6 +37,9 @@ class ExternalCopies:
     def _wrote(self, side: Side) -> None:
         raise NotImplementedError
 
+    def _touch(self) -> None:
+        raise NotImplementedError
+
     def download_async(self, source: torch.Tensor, stream: object = None) -> Fence | None:
         """Like ``pull_async``, from ``source`` (1-D uint8, ``size`` device bytes outside this
         memory) into the host side, which becomes the head as after a host write. Returns the
@@ -54,6 +57,7 @@ class ExternalCopies:
             fence = backend.download(target, source, stream=stream, asynchronous=True)
             self._host.fence = fence
             self.device_to_host_bytes += self._size
+            self._touch()  # a copy in flight: a cached view must not skip waiting for it
             return fence
 
     def upload_async(self, target: torch.Tensor, stream: object = None) -> Fence | None:
@@ -72,4 +76,5 @@ class ExternalCopies:
             fence = backend.upload(target, source, stream=stream, asynchronous=True)
             self._host.fence = fence  # the copy reads the host bytes
             self.host_to_device_bytes += self._size
+            self._touch()
             return fence

@@ -674,3 +674,121 @@ def test_on_a_moving_backend_the_limit_caps_the_peak_of_a_growth_too() -> None:
         pool.stats()["peak_reserved_bytes"] <= 61_440
         and pool.stats()["device_reserved_bytes"] == 40_960
     )
+
+
+class _DeferredCopies:
+    """A copy engine whose copies run only when someone waits for them: a copy in flight
+    stays in flight until the memory settles it, whatever the threads' timing."""
+
+    class Pending:
+        def __init__(self, copy: object, args: tuple[object, ...]) -> None:
+            self.copy, self.args, self.done = copy, args, False
+
+        def result(self) -> None:
+            if not self.done:
+                self.done = True
+                self.copy(*self.args)  # type: ignore[operator]
+
+    def submit(self, copy: object, *args: object) -> _DeferredCopies.Pending:
+        return self.Pending(copy, args)
+
+
+@pytest.mark.parametrize("backend", ["reserved", "pageable"])
+def test_the_fast_path_waits_for_copies_to_and_from_tensors_outside(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sharedmem._backends import emulated
+
+    monkeypatch.setattr(emulated, "_copy_engine", _DeferredCopies)
+    pool = sm.BufferPool("emulated", backend=backend)
+    pool.host_tensor("x", (1024,), torch.uint8).fill_(1)
+    memory = pool.blob("x").data_memory
+    target = torch.zeros(1024, dtype=torch.uint8)
+    fence = memory.upload_async(target)  # reads the host bytes
+    pool.host_tensor("x", (1024,), torch.uint8).fill_(2)  # must wait for that read first
+    assert fence is not None
+    fence.wait_host()
+    assert target.eq(1).all()
+    memory.download_async(torch.full((1024,), 7, dtype=torch.uint8))  # writes the host bytes
+    view = pool.host_tensor("x", (1024,), torch.uint8)
+    assert view.eq(7).all()  # the copy landed before the view was handed out
+    view.fill_(9)
+    assert memory.host_data().eq(9).all() and memory.device_data().eq(9).all()
+
+
+def test_a_request_refused_in_one_thread_leaves_another_threads_request_whole() -> None:
+    # T1's growth fails while T2 asks for the same shape: T2 must get that shape, and the
+    # fast path must not remember a view of the shape T1 put back.
+    from sharedmem._adaptors import BackendAdaptor
+
+    inside, go = threading.Event(), threading.Event()
+
+    class FailFirstGrowth(BackendAdaptor):
+        armed = True
+
+        def _grow(self, block: object, nbytes: int, keep: int) -> tuple[object, int]:
+            if FailFirstGrowth.armed:
+                FailFirstGrowth.armed = False
+                inside.set()
+                go.wait(10)
+                raise sm.OutOfMemoryError(nbytes, 0, None, "cpu", "a passing allocator failure")
+            return super()._grow(block, nbytes, keep)  # type: ignore[arg-type]
+
+    pool = sm.BufferPool("cpu", backend="pageable", adaptors=[FailFirstGrowth])
+    pool.tensor("x", (4, 4))
+    results: dict[str, object] = {}
+
+    def ask(who: str) -> None:
+        if who == "t2":
+            go.set()  # T1 fails as soon as T2 is under way
+        try:
+            results[who] = tuple(pool.tensor("x", (64, 64)).shape)
+        except sm.OutOfMemoryError:
+            results[who] = "refused"
+
+    first = threading.Thread(target=ask, args=("t1",))
+    first.start()
+    inside.wait(10)
+    second = threading.Thread(target=ask, args=("t2",))
+    second.start()
+    first.join(10)
+    second.join(10)
+    assert results == {"t1": "refused", "t2": (64, 64)}
+    assert pool.tensor("x", (64, 64)).shape == (64, 64)
+    assert pool.blob("x").shape == (64, 64)
+
+
+def test_a_growth_past_a_reserved_range_counts_both_blocks_against_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sharedmem._backends import host
+
+    monkeypatch.setattr(host, "ADDRESS_BUDGET", 0)  # every range: twice its request
+    pool = sm.BufferPool("emulated", limit=3 * MiB + MiB // 2)
+    pool.tensor("x", (MiB,), torch.uint8).fill_(4)  # a 2 MiB range
+    with pytest.raises(sm.OutOfMemoryError, match=r"moves when it grows: the old 1,048,576"):
+        pool.tensor("x", (3 * MiB,), torch.uint8)  # past the range: 1 + 3 MiB at once
+    assert pool.tensor("x", (MiB,), torch.uint8).eq(4).all()
+    pool.set_limit(4 * MiB)
+    pool.tensor("x", (3 * MiB,), torch.uint8)
+    assert pool.stats()["peak_reserved_bytes"] - pool.stats()["host_reserved_bytes"] <= 4 * MiB
+
+
+def test_a_shape_holding_something_mutable_is_compared_every_time() -> None:
+    pool = sm.BufferPool("cpu")
+    rows = torch.tensor(4)
+    shape = (rows, 3)  # accepted like any index; but it can change in place
+    assert pool.tensor("x", shape).shape == (4, 3)
+    rows.fill_(8)
+    assert pool.tensor("x", shape).shape == (8, 3)
+
+
+def test_autograd_sees_a_saved_view_changed_through_a_view_taken_after_a_growth() -> None:
+    pool = sm.BufferPool("cpu")
+    weight = torch.ones(4, requires_grad=True)
+    saved = pool.tensor("act", (4,))
+    saved.fill_(2.0)
+    loss = (saved * weight).sum()  # autograd saves the pool view
+    pool.tensor("act", (MiB,))[:4].fill_(5.0)  # grows in place, then overwrites it
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

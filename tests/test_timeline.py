@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,17 @@ def test_demo_plot_option_writes_the_timeline(tmp_path: Path) -> None:
     target = tmp_path / "demo.png"
     run_demo(DemoConfig(steps=10, eval_every=5), verbose=False, plot=str(target))
     assert target.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_long_run_is_thinned_evenly_and_keeps_its_indices() -> None:
+    from sharedmem._timeline import Timeline
+
+    timeline = Timeline(max_samples=8)
+    figures = {"reserved_bytes": 0, "device_reserved_bytes": 0, "active_bytes": 0}
+    for step in range(100):
+        timeline.record("train", {**figures, "reserved_bytes": step}, step)
+    samples = timeline.samples
+    assert 4 <= len(samples) <= 8
+    gaps = {b.index - a.index for a, b in itertools.pairwise(samples)}
+    assert len(gaps) == 1  # evenly spaced
+    assert all(s.reserved_bytes == s.index for s in samples)  # each keeps its own figures

@@ -11,11 +11,20 @@ import functools
 from dataclasses import dataclass
 
 from .._devices import normalize_device
-from ._base import Backend, Block, Fence, round_up
+from ._base import Backend, Block, Fence, rewindow, round_up
 from .emulated import EmulatedPageable, EmulatedReserved
 from .host import PageableBackend, ReservedBackend
 
-__all__ = ["Backend", "Block", "Fence", "Placement", "backend_names", "resolve", "round_up"]
+__all__ = [
+    "Backend",
+    "Block",
+    "Fence",
+    "Placement",
+    "backend_names",
+    "resolve",
+    "rewindow",
+    "round_up",
+]
 
 # The first name of each list is the default.
 _NAMES: dict[str, tuple[str, ...]] = {

@@ -12,13 +12,14 @@ block behind; the caller still holds the old one.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-__all__ = ["Backend", "Block", "Fence", "MovingBackend", "round_up"]
+__all__ = ["Backend", "Block", "Fence", "MovingBackend", "rewindow", "round_up"]
 
 
 class Fence(Protocol):
@@ -39,13 +40,31 @@ def round_up(nbytes: int, granularity: int) -> int:
     return -(-nbytes // granularity) * granularity
 
 
+def rewindow(base: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """Point ``base``, a block's tensor, at ``window`` (the same address, another capacity).
+
+    A stable-address block keeps one tensor object across growth and shrink, so every view of
+    it shares one version counter, as views of one tensor do: autograd still sees a saved view
+    changed in place through a view taken after a growth. The version is put back afterwards:
+    pointing at more (or fewer) bytes at the same address changes none of them.
+    """
+    version = base._version
+    with torch.no_grad():
+        base.set_(window.untyped_storage(), 0, window.shape, window.stride())
+    # An older torch lacks this (or takes other arguments): the counter stays one ahead.
+    with contextlib.suppress(AttributeError, TypeError):
+        torch._C._autograd._unsafe_set_version_counter((base,), (version,))
+    return base
+
+
 @dataclass(frozen=True, eq=False)
 class Block:
     """Physical bytes on one side.
 
     Attributes:
         tensor: a 1-D ``uint8`` tensor starting at the block's first byte and spanning at
-            least ``capacity`` bytes (a reserved range spans the whole reservation).
+            least ``capacity`` bytes. On a stable-address backend it is one tensor object for
+            the block's whole life, re-pointed at each capacity (``rewindow``).
         capacity: bytes this block may use; the grow-only capacity of its side.
         handle: backend-private state (an mmap, a CUDA handle); ``None`` for plain tensors.
     """
@@ -96,6 +115,12 @@ class Backend(ABC):
         """
         assert nbytes > block.capacity and 0 <= keep <= block.capacity, (nbytes, keep, block)
         return self._grow(block, self.round(nbytes), keep)
+
+    def will_move(self, block: Block, nbytes: int) -> bool:
+        """Whether growing ``block`` to ``nbytes`` (rounded) moves it: then old and new blocks
+        are held at once while the bytes are copied. A stable-address backend that moves
+        past its reserved range says so per block."""
+        return not self.stable_address
 
     def shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block | None, int]:
         """Give back the part of ``block`` beyond ``nbytes``; ``None`` when nothing remains.

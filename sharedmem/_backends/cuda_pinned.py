@@ -43,7 +43,7 @@ import warnings
 import torch
 
 from .._errors import OutOfMemoryError, SharedMemError
-from ._base import Block, MovingBackend
+from ._base import Block, MovingBackend, rewindow
 from .cuda import DeviceOutOfMemory, bindings, check, on_device
 from .cuda_owner import Meter, reclaim
 from .host import ReservedBackend, commit_limit, window
@@ -204,12 +204,16 @@ class PinnedReservedBackend(ReservedBackend):
         pins.pin(nbytes)
         return Block(tensor, nbytes, pins)
 
+    def will_move(self, block: Block, nbytes: int) -> bool:
+        pins = block.handle
+        return not (isinstance(pins, _Pins) and self.round(nbytes) <= len(pins.mapping))
+
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         pins = block.handle
         if isinstance(pins, _Pins) and nbytes <= len(pins.mapping):
             _check_committable(nbytes)
             pins.pin(nbytes)
-            return Block(window(pins.mapping, nbytes), nbytes, pins), 0
+            return Block(rewindow(block.tensor, window(pins.mapping, nbytes)), nbytes, pins), 0
         # Past the range: move. The old block is not freed: views taken before keep its bytes
         # (DESIGN §4), and its registration goes when the old block is collected.
         new = self._allocate(nbytes)
@@ -224,7 +228,7 @@ class PinnedReservedBackend(ReservedBackend):
             return new, keep
         pins.unpin(nbytes)  # unpinned pages first: pinned ones cannot be handed back
         pins.mapping.madvise(mmap.MADV_DONTNEED, nbytes, block.capacity - nbytes)
-        return Block(window(pins.mapping, nbytes), nbytes, pins), 0
+        return Block(rewindow(block.tensor, window(pins.mapping, nbytes)), nbytes, pins), 0
 
     def _free(self, block: Block) -> None:
         pins = block.handle

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .._errors import SharedMemError
-from ._base import Block, round_up
+from ._base import Block, rewindow, round_up
 from .cuda import DeviceOutOfMemory, bindings, check, device_index, error_name, on_device
 from .cuda_owner import Meter, Owner, retry_on_oom
 from .cuda_streams import CudaBackend
@@ -251,12 +251,19 @@ class VmmBackend(CudaBackend):
         reservation = retry_on_oom(attempt, nbytes, self.device)
         return Block(reservation.tensor(nbytes), nbytes, reservation)
 
+    def will_move(self, block: Block, nbytes: int) -> bool:
+        reservation = block.handle
+        return not (
+            isinstance(reservation, _Reservation) and self.round(nbytes) <= reservation.nbytes
+        )
+
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         reservation = block.handle
         assert isinstance(reservation, _Reservation), block
         if nbytes <= reservation.nbytes:
             retry_on_oom(lambda: reservation.map(nbytes), nbytes, self.device)
-            return Block(reservation.tensor(nbytes), nbytes, reservation), 0
+            grown = rewindow(block.tensor, reservation.tensor(nbytes))
+            return Block(grown, nbytes, reservation), 0
         new = self._allocate(nbytes)  # beyond the reservation: move, and copy what we keep
         new.tensor[:keep].copy_(block.tensor[:keep])
         self._free(block)
@@ -266,7 +273,7 @@ class VmmBackend(CudaBackend):
         reservation = block.handle
         assert isinstance(reservation, _Reservation), block
         reservation.unmap(nbytes)
-        return Block(reservation.tensor(nbytes), nbytes, reservation), 0
+        return Block(rewindow(block.tensor, reservation.tensor(nbytes)), nbytes, reservation), 0
 
     def _free(self, block: Block) -> None:
         pass  # the reservation is unmapped and freed when its last view is gone (module doc)

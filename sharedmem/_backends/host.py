@@ -32,7 +32,7 @@ import weakref
 import torch
 
 from .._errors import OutOfMemoryError
-from ._base import Backend, Block, MovingBackend, round_up
+from ._base import Backend, Block, MovingBackend, rewindow, round_up
 
 __all__ = [
     "ADDRESS_BUDGET",
@@ -235,10 +235,15 @@ class ReservedBackend(Backend):
             return Block(_empty(nbytes, self.device), nbytes)
         return Block(window(mapping, nbytes), nbytes, mapping)
 
+    def will_move(self, block: Block, nbytes: int) -> bool:
+        return not (isinstance(block.handle, mmap.mmap) and self.round(nbytes) <= len(block.handle))
+
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         if isinstance(block.handle, mmap.mmap) and nbytes <= len(block.handle):
             _check_committable(nbytes, self.device)
-            return Block(window(block.handle, nbytes), nbytes, block.handle), 0
+            return Block(
+                rewindow(block.tensor, window(block.handle, nbytes)), nbytes, block.handle
+            ), 0
         # Past the range: move, as a moving allocator does. The old range is not zeroed:
         # views taken before keep reading the old bytes, and it goes with the last of them.
         new = self._allocate(nbytes)
@@ -251,7 +256,7 @@ class ReservedBackend(Backend):
             new.tensor[:keep].copy_(block.tensor[:keep])
             return new, keep
         _give_back(block, nbytes, block.capacity)
-        return Block(window(block.handle, nbytes), nbytes, block.handle), 0
+        return Block(rewindow(block.tensor, window(block.handle, nbytes)), nbytes, block.handle), 0
 
     def _free(self, block: Block) -> None:
         _give_back(block, 0, block.capacity)

@@ -95,9 +95,12 @@ class Judge:
             if oom.limit is None:
                 raise error  # the allocator itself ran out: the machine, not the pool
             old = before[1] if memory is not None else 0  # the limited side's capacity
-            # A moving backend holds the old block and the new one at once while it copies.
+            # A growth that moves holds the old block and the new one at once while it copies.
             limited = self.pool._accel or self.pool._host
-            freed = old if limited.stable_address else 0
+            side = None if memory is None else memory._device
+            block = None if side is None else side.block
+            moves = block is not None and limited.will_move(block, oom.requested)
+            freed = 0 if moves else old
             if (
                 oom.limit != self.pool.limit
                 or oom.requested <= old
