@@ -12,10 +12,8 @@ from __future__ import annotations
 import copy
 import gc
 import io
-import mmap
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -25,10 +23,8 @@ from conftest import requires_cuda, storage_bytes
 import sharedmem as sm
 
 F = TypeVar("F", bound=Callable[..., Any])
-ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["vmm", "cudart", "torch"]
 MiB = 1 << 20
-PAGE = mmap.PAGESIZE
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 GPUs")
 
 

@@ -12,28 +12,21 @@ import json
 import mmap
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
-from conftest import HAS_CUDA, requires_cuda, storage_bytes
+from conftest import HAS_CUDA, storage_bytes
 
 import sharedmem as sm
 
-F = TypeVar("F", bound=Callable[..., Any])
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["vmm", "cudart", "torch"]
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 GPUs")
-
-
-def on_gpu(test: F) -> F:
-    marked: F = pytest.mark.cuda(requires_cuda(test))
-    return marked
 
 
 def cuda_modules() -> Any:

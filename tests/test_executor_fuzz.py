@@ -197,18 +197,9 @@ def test_random_programs_equal_eager(seed: int) -> None:
 # The reduced program of a fuzzer finding: log_softmax over the batch dimension of a value
 # that reaches the loss transposed. Its backward's traced layout is column-major, and the
 # CPU kernel of _log_softmax_backward_data.out wrote row-major into such a pool view.
-FOUND = """
-class Program(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
-        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
-
-    def forward(self, x):
-        h0 = self.a(x)
-        h1 = torch.tanh(self.b(x))
-        h2 = h1.sort(1)[0] + h1.max(1, keepdim=True)[0]
+FOUND = (
+    HEADER
+    + """        h2 = h1.sort(1)[0] + h1.max(1, keepdim=True)[0]
         h6 = h2.view(-1, 2, 4).transpose(1, 2).reshape(h2.shape[0], 8)
         h8 = h0.softmax(1) * h6.log_softmax(0)
         h10 = torch.tanh(h8) * 1.1
@@ -217,6 +208,7 @@ class Program(nn.Module):
         h20 = h12.sort(1)[0] + h12.max(1, keepdim=True)[0]
         return (h2, h14, h20,)
 """
+)
 
 
 @pytest.mark.parametrize("plan", ["liveness", "per_node"])
