@@ -325,11 +325,11 @@ def test_a_pinned_block_that_moves_leaves_old_views_their_bytes(pins: dict[int, 
 def test_pinning_past_memory_and_swap_is_refused_before_registering(
     pins: dict[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sharedmem._backends import cuda_pinned
+    from sharedmem._backends import cuda_pinned, host
 
     backend = cuda_pinned.PinnedReservedBackend(0, reservation=64 * PAGE)
     block = backend.allocate(PAGE)
-    monkeypatch.setattr(cuda_pinned, "commit_limit", lambda: 8 * PAGE)
+    monkeypatch.setattr(host, "commit_limit", lambda: 8 * PAGE)
     with pytest.raises(sm.OutOfMemoryError, match="memory and swap"):
         backend.grow(block, 16 * PAGE, keep=PAGE)
     assert list(pins.values()) == [PAGE] and backend.meter.held == PAGE

@@ -46,7 +46,7 @@ from .._errors import OutOfMemoryError, SharedMemError
 from ._base import Block, MovingBackend, rewindow
 from .cuda import DeviceOutOfMemory, bindings, check, on_device
 from .cuda_owner import Meter, reclaim
-from .host import ReservedBackend, commit_limit, window
+from .host import ReservedBackend, check_committable, window
 
 __all__ = [
     "PinnedPageableBackend",
@@ -103,15 +103,6 @@ def _host_oom(requested: int, meter: Meter, index: int, why: str) -> OutOfMemory
         "may refuse more; free other pinned buffers or raise the locked-memory limit."
     )
     return OutOfMemoryError(requested, meter.held, None, "cpu", detail)
-
-
-def _check_committable(nbytes: int) -> None:
-    # MAP_NORESERVE skips the kernel's own check; pinning past it would meet the OOM killer.
-    limit = commit_limit()
-    if nbytes > limit:
-        raise OutOfMemoryError(
-            nbytes, 0, None, "cpu", f"that is more than this machine's memory and swap ({limit:,})"
-        )
 
 
 class _Pins:
@@ -211,7 +202,8 @@ class PinnedReservedBackend(ReservedBackend):
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         pins = block.handle
         if isinstance(pins, _Pins) and nbytes <= len(pins.mapping):
-            _check_committable(nbytes)
+            # MAP_NORESERVE skips the kernel's own check; pinning past it meets the OOM killer.
+            check_committable(nbytes, self.device)
             pins.pin(nbytes)
             return Block(rewindow(block.tensor, window(pins.mapping, nbytes)), nbytes, pins), 0
         # Past the range: move. The old block is not freed: views taken before keep its bytes

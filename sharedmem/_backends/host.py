@@ -39,6 +39,7 @@ __all__ = [
     "PageableBackend",
     "ReservedBackend",
     "address_space_reserved",
+    "check_committable",
     "commit_limit",
     "default_reservation",
     "window",
@@ -140,7 +141,8 @@ def _strict_overcommit() -> bool:
         return False
 
 
-def _check_committable(nbytes: int, device: str) -> None:
+def check_committable(nbytes: int, device: str) -> None:
+    """Refuse (``OutOfMemoryError``) a host block of more than ``commit_limit()`` bytes."""
     limit = commit_limit()
     if nbytes > limit:
         raise OutOfMemoryError(
@@ -212,7 +214,7 @@ class ReservedBackend(Backend):
 
     def _map(self, nbytes: int) -> mmap.mmap | None:
         """A range for at least ``nbytes``, sized by the policy in the module docstring."""
-        _check_committable(nbytes, self.device)
+        check_committable(nbytes, self.device)
         roomy = max(self.reservation, 2 * nbytes)
         if _strict_overcommit():
             sizes = [nbytes]  # every mapped byte is charged: take no more than asked
@@ -240,7 +242,7 @@ class ReservedBackend(Backend):
 
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         if isinstance(block.handle, mmap.mmap) and nbytes <= len(block.handle):
-            _check_committable(nbytes, self.device)
+            check_committable(nbytes, self.device)
             return Block(
                 rewindow(block.tensor, window(block.handle, nbytes)), nbytes, block.handle
             ), 0
