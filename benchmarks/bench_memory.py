@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Progress, Row, growth_rows, row, script_main
 
 import sharedmem as sm
-from sharedmem._demo import DemoConfig, run_demo
+from sharedmem._cli.demo import DemoConfig, run_demo
 
 MiB = 1 << 20
 

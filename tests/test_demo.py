@@ -10,7 +10,7 @@ from conftest import HAS_CUDA
 
 import sharedmem as sm
 from sharedmem._cli import main
-from sharedmem._demo import DemoConfig, run_demo
+from sharedmem._cli.demo import DemoConfig, run_demo
 
 
 @pytest.mark.parametrize("device", ["cpu", "emulated"])

@@ -11,7 +11,8 @@ import torch
 from conftest import DEVICES, TWO_SIDED
 
 import sharedmem as sm
-from sharedmem._faults import CorruptingBackend, Fault, FaultInjector
+from sharedmem._stress._faults import CorruptingBackend, Fault
+from sharedmem.testing import FaultInjector
 
 PLACEMENTS = [
     pytest.param(("cpu", "reserved"), id="cpu-reserved"),

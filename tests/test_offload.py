@@ -706,7 +706,7 @@ def test_frozen_parameters_and_views_of_them_are_left_alone(device: str) -> None
 def test_two_threads_entering_one_object_at_once_are_told_apart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import sharedmem._offload as offload
+    import sharedmem._offload.hooks as offload
 
     pool = sm.BufferPool("emulated")
     shared = sm.save_on_pool(pool, min_bytes=0)

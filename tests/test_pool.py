@@ -380,8 +380,8 @@ def test_layers_count_their_bytes_and_the_report_shows_them() -> None:
 
 
 def test_adaptors_wrap_both_sides_innermost_first() -> None:
-    from sharedmem._adaptors import BackendAdaptor
     from sharedmem._backends import Backend, Block
+    from sharedmem._pool.adaptors import BackendAdaptor
 
     calls: list[str] = []
 
@@ -719,7 +719,7 @@ def test_the_fast_path_waits_for_copies_to_and_from_tensors_outside(
 def test_a_request_refused_in_one_thread_leaves_another_threads_request_whole() -> None:
     # T1's growth fails while T2 asks for the same shape: T2 must get that shape, and the
     # fast path must not remember a view of the shape T1 put back.
-    from sharedmem._adaptors import BackendAdaptor
+    from sharedmem._pool.adaptors import BackendAdaptor
 
     inside, go = threading.Event(), threading.Event()
 

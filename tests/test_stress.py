@@ -21,15 +21,16 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from sharedmem._backends import Backend
 from sharedmem._cli import main
 from sharedmem._errors import OutOfMemoryError
-from sharedmem._faults import FAULT_KINDS, CorruptingBackend, FaultInjector
 from sharedmem._pool import BufferPool
 from sharedmem._stress import StressConfig, StressResult, run_stress
 from sharedmem._stress._checks import StressFailure, check_pool
 from sharedmem._stress._exec import Executor, RoundSpec
+from sharedmem._stress._faults import FAULT_KINDS, CorruptingBackend
 from sharedmem._stress._model import MemoryModel
 from sharedmem._stress._ops import DTYPES, KINDS, WHOLE, Op, describe
 from sharedmem._stress._shrink import shrink
 from sharedmem._synced import SyncedMemory
+from sharedmem.testing import FaultInjector
 
 SUMMARY = re.compile(r"^stress: (\d+) verified ops, (\d+) mismatches, seed (\d+), device (\S+)$")
 

@@ -62,7 +62,7 @@ def test_plotting_an_empty_timeline_says_what_to_do(tmp_path: Path) -> None:
 
 def test_demo_plot_option_writes_the_timeline(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from sharedmem._demo import DemoConfig, run_demo
+    from sharedmem._cli.demo import DemoConfig, run_demo
 
     target = tmp_path / "demo.png"
     run_demo(DemoConfig(steps=10, eval_every=5), verbose=False, plot=str(target))
@@ -70,7 +70,7 @@ def test_demo_plot_option_writes_the_timeline(tmp_path: Path) -> None:
 
 
 def test_a_long_run_is_thinned_evenly_and_keeps_its_indices() -> None:
-    from sharedmem._timeline import Timeline
+    from sharedmem._pool.timeline import Timeline
 
     timeline = Timeline(max_samples=8)
     figures = {"reserved_bytes": 0, "device_reserved_bytes": 0, "active_bytes": 0}

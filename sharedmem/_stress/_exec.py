@@ -20,7 +20,6 @@ import torch
 
 from .._backends import Backend
 from .._blob import Blob
-from .._faults import FaultInjector
 from .._pool import BufferPool
 from .._synced import Head, SyncedMemory
 from ._checks import (
@@ -33,6 +32,7 @@ from ._checks import (
     round_up,
     to_numpy,
 )
+from ._faults import FaultInjector
 from ._judge import Judge, caps
 from ._model import MemoryModel, PoolModel
 from ._ops import Op

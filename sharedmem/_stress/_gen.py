@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._faults import FAULT_KINDS
+from ._faults import FAULT_KINDS
 from ._model import PoolModel
 from ._ops import DTYPES, WHOLE, Op
 

@@ -10,10 +10,10 @@ from contextlib import nullcontext
 from typing import TypeVar
 
 from .._errors import OutOfMemoryError, SharedMemError
-from .._faults import FaultInjector
 from .._pool import BufferPool
 from .._synced import SyncedMemory
 from ._checks import StressFailure
+from ._faults import FaultInjector
 from ._ops import Op
 
 __all__ = ["Caps", "Judge", "caps"]

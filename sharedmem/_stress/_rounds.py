@@ -14,10 +14,10 @@ import numpy as np
 
 from .._backends import backend_names
 from .._devices import normalize_device
-from .._faults import CorruptingBackend
 from ._checks import StressFailure
 from ._config import Failure, StressConfig, StressResult
 from ._exec import Executor, RoundSpec
+from ._faults import CorruptingBackend
 from ._gen import Generator
 from ._ops import Op, describe
 from ._shrink import shrink

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._errors import SharedMemError
+from .._errors import SharedMemError
 
 __all__ = ["MAX_SAMPLES", "Sample", "Timeline"]
 

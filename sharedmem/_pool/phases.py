@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ._ledger import COUNTERS, Ledger
+from .ledger import COUNTERS, Ledger
 
 __all__ = ["PhaseBook"]
 

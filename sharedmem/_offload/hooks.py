@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from ._errors import SharedMemError
-from ._offload_copies import copies_for
-from ._offload_names import names_of
-from ._offload_step import Saved, Step
-from ._pool import BufferPool
-from ._validate import _SUPPORTED_DTYPES, check_nbytes
+from .._errors import SharedMemError
+from .._pool import BufferPool
+from .._validate import _SUPPORTED_DTYPES, check_nbytes
+from .copies import copies_for
+from .names import names_of
+from .step import Saved, Step
 
 __all__ = ["save_on_pool"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import weakref
 
-from ._pool import BufferPool
-from ._synced import SyncedMemory
+from .._pool import BufferPool
+from .._synced import SyncedMemory
 
 __all__ = ["Names", "names_of"]
 

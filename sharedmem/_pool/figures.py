@@ -10,14 +10,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from ._blob import Blob
-from ._errors import SharedMemError
-from ._ledger import Ledger
-from ._phases import PhaseBook
-from ._report import CORE_KEYS, biggest_buffers, format_report
-from ._synced import SyncedMemory
-from ._timeline import Sample, Timeline
-from ._validate import check_name, check_nbytes
+from .._blob import Blob
+from .._errors import SharedMemError
+from .._synced import SyncedMemory
+from .._validate import check_name, check_nbytes
+from .ledger import Ledger
+from .phases import PhaseBook
+from .report import CORE_KEYS, biggest_buffers, format_report
+from .timeline import Sample, Timeline
 
 __all__ = ["PoolFigures"]
 

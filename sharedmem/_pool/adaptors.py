@@ -12,9 +12,9 @@ from contextlib import contextmanager
 
 import torch
 
-from ._backends import Backend, Block, Fence
-from ._errors import OutOfMemoryError
-from ._ledger import Ledger
+from .._backends import Backend, Block, Fence
+from .._errors import OutOfMemoryError
+from .ledger import Ledger
 
 __all__ = ["AccountedBackend", "BackendAdaptor", "LimitedBackend"]
 

@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._devices import normalize_device
-from ._errors import SharedMemError
+from .._devices import normalize_device
+from .._errors import SharedMemError
 
 __all__ = ["run_bench"]
 
 
 def _suite_module() -> Any:
-    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
     if not (folder / "suite.py").is_file():
         raise SharedMemError(
             f"sharedmem: bench needs the benchmarks/ folder of a source checkout (looked in "

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ._pool import BufferPool
-from ._report import human_bytes
+from .._pool import BufferPool
+from .._pool.report import human_bytes
 
 __all__ = ["DemoConfig", "run_demo"]
 

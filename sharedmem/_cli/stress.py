@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the runner is imported when the command runs, not to build the parser
-    from ._stress import StressConfig, StressResult
+    from .._stress import StressConfig, StressResult
 
 __all__ = ["add_stress_command"]
 
@@ -119,9 +119,9 @@ def _size_check(args: argparse.Namespace, two_sided: bool) -> str | None:
 
 def _run(args: argparse.Namespace) -> int:
     # Imported here: building the parser must not pay for the runner.
-    from ._backends import resolve
-    from ._errors import SharedMemError
-    from ._stress import StressConfig, run_stress
+    from .._backends import resolve
+    from .._errors import SharedMemError
+    from .._stress import StressConfig, run_stress
 
     parser: argparse.ArgumentParser = args.parser
     try:  # an unusable device or an unknown backend is a usage error, said before any work

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ._adaptors import BackendAdaptor
-from ._backends import Backend, Block, Fence
-from ._errors import OutOfMemoryError, SharedMemError
+from .._backends import Backend, Block, Fence
+from .._errors import OutOfMemoryError, SharedMemError
+from .._pool.adaptors import BackendAdaptor
 
 __all__ = ["FAULT_KINDS", "CorruptingBackend", "Fault", "FaultInjector", "FaultyBackend"]
 
@@ -73,7 +73,7 @@ class FaultInjector:
     Example::
 
         >>> import sharedmem as sm
-        >>> from sharedmem._faults import FaultInjector
+        >>> from sharedmem.testing import FaultInjector
         >>> faults = FaultInjector(grow=1)
         >>> pool = sm.BufferPool("cpu", adaptors=[faults])
         >>> pool.host_tensor("x", (1024,)).fill_(1.0).sum().item()

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._demo import DemoConfig, run_demo
-from ._devices import normalize_device
-from ._errors import SharedMemError
-from ._stress_cli import _count, add_stress_command
+from .._devices import normalize_device
+from .._errors import SharedMemError
+from .demo import DemoConfig, run_demo
+from .stress import _count, add_stress_command
 
 __all__ = ["main"]
 
@@ -39,7 +39,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ._bench import run_bench  # the suite imports models and the executor: load on demand
+    from .bench import run_bench  # the suite imports models and the executor: load on demand
 
     return run_bench(args.quick, args.device, args.json)
 

@@ -31,11 +31,11 @@ from typing import TypeVar
 
 import torch
 
-from ._errors import SharedMemError
-from ._offload_copies import ALIGN, EngineCopies, Restored
-from ._offload_names import Names
-from ._pool import BufferPool
-from ._synced import Head, SyncedMemory
+from .._errors import SharedMemError
+from .._pool import BufferPool
+from .._synced import Head, SyncedMemory
+from .copies import ALIGN, EngineCopies, Restored
+from .names import Names
 
 __all__ = ["Saved", "Slot", "Step"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ._backends import Fence
-from ._synced import SyncedMemory
+from .._backends import Fence
+from .._synced import SyncedMemory
 
 __all__ = ["ALIGN", "CudaCopies", "EngineCopies", "Restored", "copies_for"]
 
@@ -114,7 +114,7 @@ class CudaCopies(EngineCopies):
 
     def __init__(self, device: torch.device) -> None:
         # Imported here: nothing of the CUDA backends loads unless a CUDA pool offloads.
-        from ._backends.cuda_streams import side_stream
+        from .._backends.cuda_streams import side_stream
 
         super().__init__(device)
         self.index = device.index if device.index is not None else torch.cuda.current_device()
@@ -124,7 +124,7 @@ class CudaCopies(EngineCopies):
 
     def _fence(self) -> Fence:
         """The work queued on the side stream so far."""
-        from ._backends.cuda_streams import EventFence
+        from .._backends.cuda_streams import EventFence
 
         return EventFence(self.stream.record_event(), self.index)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ._blob import Blob
-from ._synced import SyncedMemory
+from .._blob import Blob
+from .._synced import SyncedMemory
 
 __all__ = ["CORE_KEYS", "biggest_buffers", "format_report", "human_bytes"]
 

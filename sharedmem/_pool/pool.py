@@ -8,16 +8,16 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ._adaptors import AccountedBackend, LimitedBackend
-from ._backends import Backend, Placement, resolve
-from ._blob import Blob
-from ._devices import DeviceLike
-from ._ledger import Ledger
-from ._phases import PhaseBook
-from ._pool_figures import PoolFigures
-from ._synced import SyncedMemory
-from ._timeline import Timeline
-from ._validate import ShapeLike, check_dtype, check_name, check_nbytes, check_shape
+from .._backends import Backend, Placement, resolve
+from .._blob import Blob
+from .._devices import DeviceLike
+from .._synced import SyncedMemory
+from .._validate import ShapeLike, check_dtype, check_name, check_nbytes, check_shape
+from .adaptors import AccountedBackend, LimitedBackend
+from .figures import PoolFigures
+from .ledger import Ledger
+from .phases import PhaseBook
+from .timeline import Timeline
 
 __all__ = ["BufferPool"]
 
