@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
@@ -14,7 +15,10 @@ import torch
 from conftest import HAS_CUDA
 
 import sharedmem as sm
-from sharedmem import _bench, _cli
+from sharedmem._cli import bench as _bench
+
+# The package re-exports the function main, which hides the module of the same name.
+_cli = importlib.import_module("sharedmem._cli.main")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
