@@ -10,6 +10,7 @@ buffer. That way CI exercises the fence logic for real.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -31,6 +32,35 @@ def _copy_engine() -> ThreadPoolExecutor:
         if _engine is None:
             _engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sharedmem-copy")
         return _engine
+
+
+# Fork: the copy-engine thread does not exist in a child, so a copy still queued at the fork
+# would never finish there, and a fence waiting on it would hang for ever. Before a fork the
+# engine is drained (every copy submitted so far completes, so every fence a child inherits is
+# already done) and its lock is held, so no copy is submitted half-way through; the child starts
+# a fresh engine on its first asynchronous copy.
+def _drain_before_fork() -> None:
+    _engine_lock.acquire()
+    if _engine is not None:
+        _engine.submit(int).result()  # one worker, in order: every earlier copy is done
+
+
+def _after_fork_in_parent() -> None:
+    _engine_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _engine, _engine_lock
+    _engine = None  # its thread is the parent's; the executor object is left unused
+    _engine_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only; Windows has no fork
+    os.register_at_fork(
+        before=_drain_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 
 class _FutureFence:
