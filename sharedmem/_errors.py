@@ -52,10 +52,17 @@ class OutOfMemoryError(SharedMemError, MemoryError):
                 f"sharedmem: out of memory on {self.device}: growing to {self.requested:,} bytes "
                 f"would pass the limit of {self.limit:,} bytes ({self.reserved:,} reserved)"
             )
-        fix = (
-            "Nothing was lost. To go on: free memory with pool.trim() or release(), "
-            "raise the limit with set_limit(), or use a smaller batch."
-        )
+        if self.limit is None:  # the allocator ran out: pool or not, give memory back
+            fix = (
+                "Nothing was lost. To go on: give memory back (trim() or release() on a pool, "
+                "shrink_to_fit() or release() on memories you no longer need) or ask for fewer "
+                "bytes (a smaller batch or shape)."
+            )
+        else:
+            fix = (
+                "Nothing was lost. To go on: raise the pool's limit with set_limit(), give "
+                "memory back with pool.trim() or release(), or use a smaller batch."
+            )
         return "\n".join(part for part in (head, self.detail, fix) if part)
 
     def __reduce__(self) -> tuple[type[OutOfMemoryError], tuple[int, int, int | None, str, str]]:

@@ -137,6 +137,28 @@ def test_cuda_without_a_gpu_names_the_devices_that_work(device: object) -> None:
     assert "Devices that work here: 'cpu', 'emulated'" in str(e.value)
 
 
+def test_backend_names_answers_for_known_devices_and_refuses_others() -> None:
+    assert sm.backend_names("cpu")[0] == "reserved"
+    assert sm.backend_names(torch.device("cpu")) == sm.backend_names("cpu")
+    assert sm.backend_names("cuda:3") == sm.backend_names("cuda")  # known, usable here or not
+    with pytest.raises(ValueError, match=r"^sharedmem: unknown device 'gpu'; use one of 'cpu'"):
+        sm.backend_names("gpu")
+    with pytest.raises(TypeError, match=r"^sharedmem: device must be a str or torch\.device"):
+        sm.backend_names(0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_an_allocator_refusal_names_the_device_and_advice_that_fits_no_pool(device: str) -> None:
+    blob = sm.Blob((1 << 60,), torch.uint8, device=device)  # more than any machine has
+    with pytest.raises(sm.OutOfMemoryError) as caught:
+        blob.mutable_data()
+    text = str(caught.value)
+    assert text.startswith(f"sharedmem: out of memory on {device}: could not grow to")
+    assert "set_limit" not in text  # no pool, no limit to raise
+    assert "release()" in text and "smaller batch" in text
+    assert blob.data_memory.device_capacity == 0 and blob.data_memory.host_capacity == 0
+
+
 def test_cpu_and_emulated_accept_torch_devices() -> None:
     assert sm.SyncedMemory(device=torch.device("cpu")).device == "cpu"
     assert sm.SyncedMemory(device=" emulated ").device == "emulated"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
+
 from .._devices import normalize_device
 from ._base import Backend, Block, Fence, rewindow, round_up
 from .emulated import EmulatedPageable, EmulatedReserved
@@ -55,9 +57,36 @@ class Placement:
         return self.host if self.accel is None else self.accel
 
 
-def backend_names(device: str) -> tuple[str, ...]:
-    """The backend names a device accepts, default first."""
-    return _NAMES[device.partition(":")[0]]
+def backend_names(device: object) -> tuple[str, ...]:
+    """The backend names a device accepts, default first.
+
+    Answers for any device this package knows, usable here or not (``"cuda"`` on a machine
+    without a GPU included), so that code can be written for a device before it runs on one.
+
+    Args:
+        device: ``"cpu"``, ``"emulated"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
+
+    Example::
+
+        >>> import sharedmem as sm
+        >>> sm.backend_names("emulated")
+        ('reserved', 'pageable')
+    """
+    if isinstance(device, torch.device):
+        kind = device.type
+    elif isinstance(device, str):
+        kind = device.strip().partition(":")[0]
+    else:
+        raise TypeError(
+            f"sharedmem: device must be a str or torch.device, got {type(device).__name__}"
+        )
+    names = _NAMES.get(kind)
+    if names is None:
+        raise ValueError(
+            f"sharedmem: unknown device {device!r}; use one of {', '.join(map(repr, _NAMES))} "
+            "(with an index for cuda: 'cuda:0')"
+        )
+    return names
 
 
 def resolve(device: object = "cpu", backend: object = None) -> Placement:

@@ -96,6 +96,12 @@ class Backend(ABC):
         self.device = device
         self.granularity = granularity
 
+    @property
+    def memory_name(self) -> str:
+        """The memory space as users name it, for messages (``"emulated"`` holds ``cpu``
+        tensors)."""
+        return self.device
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device!r})"
 

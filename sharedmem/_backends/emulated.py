@@ -82,6 +82,10 @@ class _FutureFence:
 class _CopyEngine(Backend):
     """Copies between host and emulated device: inline, or on the copy-engine thread."""
 
+    @property
+    def memory_name(self) -> str:
+        return "emulated"  # its blocks are cpu tensors, but errors name the device users chose
+
     def _copy(
         self,
         dst: torch.Tensor,

@@ -193,7 +193,7 @@ class PageableBackend(MovingBackend):
         super().__init__(device=device, granularity=64)
 
     def _allocate(self, nbytes: int) -> Block:
-        return Block(_empty(nbytes, self.device), nbytes)
+        return Block(_empty(nbytes, self.memory_name), nbytes)
 
 
 class ReservedBackend(Backend):
@@ -214,7 +214,7 @@ class ReservedBackend(Backend):
 
     def _map(self, nbytes: int) -> mmap.mmap | None:
         """A range for at least ``nbytes``, sized by the policy in the module docstring."""
-        check_committable(nbytes, self.device)
+        check_committable(nbytes, self.memory_name)
         roomy = max(self.reservation, 2 * nbytes)
         if _strict_overcommit():
             sizes = [nbytes]  # every mapped byte is charged: take no more than asked
@@ -234,7 +234,7 @@ class ReservedBackend(Backend):
     def _allocate(self, nbytes: int) -> Block:
         mapping = self._map(nbytes)
         if mapping is None:
-            return Block(_empty(nbytes, self.device), nbytes)
+            return Block(_empty(nbytes, self.memory_name), nbytes)
         return Block(window(mapping, nbytes), nbytes, mapping)
 
     def will_move(self, block: Block, nbytes: int) -> bool:
@@ -242,7 +242,7 @@ class ReservedBackend(Backend):
 
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         if isinstance(block.handle, mmap.mmap) and nbytes <= len(block.handle):
-            check_committable(nbytes, self.device)
+            check_committable(nbytes, self.memory_name)
             return Block(
                 rewindow(block.tensor, window(block.handle, nbytes)), nbytes, block.handle
             ), 0
@@ -254,7 +254,7 @@ class ReservedBackend(Backend):
 
     def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         if not isinstance(block.handle, mmap.mmap):  # a pageable fallback block
-            new = Block(_empty(nbytes, self.device), nbytes)
+            new = Block(_empty(nbytes, self.memory_name), nbytes)
             new.tensor[:keep].copy_(block.tensor[:keep])
             return new, keep
         _give_back(block, nbytes, block.capacity)
