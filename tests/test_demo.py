@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import HAS_CUDA
@@ -11,6 +13,7 @@ from conftest import HAS_CUDA
 import sharedmem as sm
 from sharedmem._cli import main
 from sharedmem._cli.demo import DemoConfig, run_demo
+from sharedmem._cli.main import demo_verdict
 
 
 @pytest.mark.parametrize("device", ["cpu", "emulated"])
@@ -27,6 +30,62 @@ def test_demo_shares_the_pool_and_learns(device: str, capsys: pytest.CaptureFixt
     assert "per-net allocation" in out and "one shared pool" in out and "saving:" in out
     assert "BufferPool on " in out and "train loss" in out
     assert isinstance(result["pool"], sm.BufferPool)
+
+
+def test_the_first_loss_is_near_a_uniform_guess_and_short_runs_succeed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # He-initialised layers on unit-variance inputs with a small last layer: the first loss is
+    # about ln(10) = 2.30, not a dozen; one step and three steps are runs like any other.
+    result = run_demo(DemoConfig(steps=1), verbose=False)
+    assert abs(result["losses"][0] - 2.3026) < 0.1
+    assert main(["demo", "--steps", "1"]) == 0
+    assert main(["demo", "--steps", "3"]) == 0
+    assert "sharedmem: demo failed" not in capsys.readouterr().err
+
+
+def test_a_failed_demo_says_why() -> None:
+    assert demo_verdict([2.3, 1.0], [2.3, 1.0]) is None
+    assert "differ" in (demo_verdict([2.3, 1.0], [2.3, 1.1]) or "")
+    assert "not finite" in (demo_verdict([2.3, float("nan")], [2.3, float("nan")]) or "")
+    rising = [2.0 + step / 100 for step in range(30)]
+    assert "did not go down (2.0000 -> 2.2900)" in (demo_verdict(rising, rising) or "")
+    assert demo_verdict(rising[:3], rising[:3]) is None  # too short to judge learning
+
+
+def test_a_run_that_fails_its_verdict_exits_1_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cli = importlib.import_module("sharedmem._cli.main")  # the package's main is the function
+
+    def diverged(config: DemoConfig, plot: str | None = None) -> dict[str, object]:
+        return {"losses": [2.3, float("inf")], "per_net_losses": [2.3, float("inf")]}
+
+    monkeypatch.setattr(cli, "run_demo", diverged)
+    assert main(["demo"]) == 1
+    assert "sharedmem: demo failed: a loss is not finite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["demo", "--plot"], ["bench", "--json"]])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for path, why in (("/nonexistent/x.out", "does not exist"), (str(tmp_path), "is a folder")):
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, path])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and why in err and "sharedmem: " in err
+
+
+def test_demo_help_explains_every_option_with_its_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for option in ("--train-batch", "--eval-batch", "--seed", "--steps", "--device", "--plot"):
+        assert option in out
+    assert "(default: 256)" in out and "(default: 250)" in out and "(default: 150)" in out
 
 
 def test_python_m_sharedmem_demo_runs() -> None:

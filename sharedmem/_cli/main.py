@@ -8,7 +8,10 @@ said in one line that starts with ``sharedmem:``, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+from pathlib import Path
 
 from .._devices import normalize_device
 from .._errors import SharedMemError
@@ -26,6 +29,39 @@ def _device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _output_path(text: str) -> str:
+    """An argparse type: a file the run can write at its end, checked before any work starts."""
+    path = Path(text).expanduser()
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"sharedmem: {text!r} is a folder; give a file name")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"sharedmem: cannot write {text!r}: the folder {str(folder)!r} does not exist"
+        )
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(
+            f"sharedmem: cannot write {text!r}: the folder {str(folder)!r} is not writable"
+        )
+    return text
+
+
+def demo_verdict(losses: list[float], per_net_losses: list[float]) -> str | None:
+    """Why the demo's run counts as failed, or ``None`` when it worked.
+
+    The two allocation schemes must compute the same losses (allocation must not change the
+    maths), every loss must be finite, and a run long enough to learn (30 steps or more) must
+    end below where it started; a short run may go either way on noisy batches.
+    """
+    if not all(math.isfinite(loss) for loss in losses):
+        return "a loss is not finite"
+    if losses != per_net_losses:
+        return "the shared pool's losses differ from the per-net run's"
+    if len(losses) >= 30 and not losses[-1] < losses[0]:
+        return f"the loss did not go down ({losses[0]:.4f} -> {losses[-1]:.4f})"
+    return None
+
+
 def _demo(args: argparse.Namespace) -> int:
     config = DemoConfig(
         device=args.device,
@@ -35,7 +71,11 @@ def _demo(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     result = run_demo(config, plot=args.plot)
-    return 0 if result["losses"][-1] < result["losses"][0] else 1
+    failure = demo_verdict(result["losses"], result["per_net_losses"])
+    if failure is not None:
+        print(f"sharedmem: demo failed: {failure}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -50,26 +90,62 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
 
+    # Every option's default shows in --help.
+    defaults = argparse.ArgumentDefaultsHelpFormatter
     demo = commands.add_parser(
-        "demo", help="train and evaluate an MLP with per-net buffers, then on one shared pool"
+        "demo",
+        help="train and evaluate an MLP with per-net buffers, then on one shared pool",
+        description="Train an MLP whose activations and gradients live in pool buffers and "
+        "evaluate it at another batch size: first with per-net buffers, then on one shared "
+        "pool, and print the bytes side by side.",
+        formatter_class=defaults,
     )
     add = demo.add_argument
-    add("--device", type=_device, default="cpu", help="cpu (default), emulated, cuda or cuda:N")
+    add("--device", type=_device, default="cpu", help="cpu, emulated, cuda or cuda:N")
     add("--steps", type=_count("--steps", 1), default=DemoConfig.steps, help="training steps")
-    add("--train-batch", type=_count("--train-batch", 1), default=DemoConfig.train_batch)
-    add("--eval-batch", type=_count("--eval-batch", 1), default=DemoConfig.eval_batch)
-    add("--seed", type=_count("--seed", 0), default=DemoConfig.seed)
-    add("--plot", metavar="PATH", help="write the pool's memory timeline as a PNG")
+    add(
+        "--train-batch",
+        type=_count("--train-batch", 1),
+        default=DemoConfig.train_batch,
+        help="batch size of the training net",
+    )
+    add(
+        "--eval-batch",
+        type=_count("--eval-batch", 1),
+        default=DemoConfig.eval_batch,
+        help="batch size of the evaluation net (it shares the training net's buffers)",
+    )
+    add(
+        "--seed",
+        type=_count("--seed", 0),
+        default=DemoConfig.seed,
+        help="seed of the synthetic data and the initial weights",
+    )
+    add(
+        "--plot",
+        metavar="PATH",
+        type=_output_path,
+        help="write the pool's memory timeline as a PNG (needs matplotlib)",
+    )
     demo.set_defaults(run=_demo)
     add_stress_command(commands)
 
     bench = commands.add_parser(
-        "bench", help="measure every target of the design against its PyTorch baseline"
+        "bench",
+        help="measure every target of the design against its PyTorch baseline",
+        description="Run the benchmark suite of benchmarks/ (a source checkout) and print one "
+        "table with a verdict per target.",
+        formatter_class=defaults,
     )
     add = bench.add_argument
     add("--quick", action="store_true", help="fewer repetitions (< 2 minutes)")
-    add("--device", type=_device, default="cpu", help="cpu (default), emulated, cuda or cuda:N")
-    add("--json", metavar="PATH", help="also write the figures and the environment as JSON")
+    add("--device", type=_device, default="cpu", help="cpu, emulated, cuda or cuda:N")
+    add(
+        "--json",
+        metavar="PATH",
+        type=_output_path,
+        help="also write the figures and the environment as JSON",
+    )
     bench.set_defaults(run=_bench)
     return parser
 

@@ -101,7 +101,7 @@ def format_report(
 
     rule = "-" * len(line(header))
     rows = len(table) - 1
-    title = f"BufferPool on {device}: {len(blobs)} buffers"
+    title = f"BufferPool on {device}: {len(blobs)} buffer{'' if len(blobs) == 1 else 's'}"
     if rows > len(blobs):
         title += f" ({rows} rows: a gradient holding memory has a row of its own)"
     out = [title, line(header), rule]
