@@ -418,9 +418,48 @@ def test_running_out_of_memory_is_said_in_one_line(
 
     monkeypatch.setattr(MemoryModel, "adopt", exhausted)
     assert main(["stress", "--device", "cpu", "--ops", "100"]) == 1
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err.split("\n", 1)[1]  # after the "stress: seed S" line
     assert err.startswith("sharedmem: the stress run ran out of memory (MemoryError: Unable to")
     assert "Traceback" not in err and "MISMATCH" not in err
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_ctrl_c_prints_what_was_verified_and_exits_130(
+    threads: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sharedmem._stress._rounds import Run
+
+    real = Run.progress
+
+    def interrupted(self: Run, done: int) -> None:  # Ctrl-C once some work is verified
+        real(self, done)
+        if done >= 300:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Run, "progress", interrupted)
+    args = ["stress", "--device", "emulated", "--ops", "1000000", "--threads", threads]
+    assert main([*args, "--seed", "5"]) == 130
+    captured = capsys.readouterr()
+    ops, mismatches, seed, device = summary(captured.out)
+    assert ops >= 300 and mismatches == 0 and seed == 5 and device == "emulated"
+    assert "stress: interrupted (Ctrl-C)" in captured.out and "Traceback" not in captured.err
+
+
+def test_the_default_seed_is_random_and_printed_and_limits_are_said_only_when_set(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    seeds = set()
+    for _ in range(3):
+        assert main(["stress", "--device", "cpu", "--ops", "50"]) == 0
+        captured = capsys.readouterr()
+        seed = summary(captured.out)[2]
+        assert f"stress: seed {seed}" in captured.err
+        assert "refused by the limit" not in captured.out
+        assert "injected faults" not in captured.out
+        seeds.add(seed)
+    assert len(seeds) > 1  # three draws from 2**31 seeds
+    assert main(["stress", "--device", "cpu", "--ops", "50", "--limit", "1M"]) == 0
+    assert "growths refused by the limit" in capsys.readouterr().out
 
 
 def test_a_run_that_verified_nothing_fails(capsys: pytest.CaptureFixture[str]) -> None:
@@ -438,6 +477,8 @@ def test_a_run_that_verified_nothing_fails(capsys: pytest.CaptureFixture[str]) -
         (["--seconds", "-1"], "--seconds must be > 0"),
         (["--faults", "1.5"], "--faults must be >= 0 and <= 1"),
         (["--max-bytes", "12Q"], "--max-bytes takes a whole number"),
+        (["--seed", "64K"], "--seed takes a whole number >= 0, got '64K'"),
+        (["--seed", "-3"], "--seed must be >= 0"),
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--backend", "vmm"], "unknown backend 'vmm' for device 'emulated'"),
         (["--threads", "100000"], "--threads must be at most 256, got 100000"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,19 @@ def _count(what: str, minimum: int, most: int | None = None) -> Callable[[str], 
         return value
 
     return parse
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a seed, a whole number >= 0 (no size suffixes: it is no size)."""
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"sharedmem: --seed takes a whole number >= 0, got {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"sharedmem: --seed must be >= 0, got {text}")
+    return value
 
 
 def _number(what: str, low: float, high: float | None, *, open_low: bool) -> Callable[[str], float]:
@@ -138,7 +152,8 @@ def _run(args: argparse.Namespace) -> int:
         backend=args.backend,
         seconds=args.seconds,
         ops=args.ops,
-        seed=args.seed,
+        # A fresh seed each run unless one is given; the summary prints it, so any run replays.
+        seed=secrets.randbelow(2**31) if args.seed is None else args.seed,
         threads=args.threads,
         buffers=args.buffers,
         max_bytes=args.max_bytes,
@@ -146,6 +161,7 @@ def _run(args: argparse.Namespace) -> int:
         faults=args.faults,
         self_check=args.self_check,
     )
+    print(f"stress: seed {config.seed}", file=sys.stderr)
     try:
         result = run_stress(config)
     except MemoryError as error:  # the machine's limit, not a finding: one line, no traceback
@@ -181,6 +197,8 @@ def _verdict(config: StressConfig, result: StressResult) -> int:
         return 0
     if result.mismatches:
         return 1
+    if result.interrupted:  # the summary above says what was verified up to Ctrl-C
+        return 130
     if result.ops == 0:
         print(
             "stress: FAILED: no operation was verified (--seconds ran out before the first "
@@ -217,7 +235,12 @@ def add_stress_command(commands: Any) -> None:
         help="stop after this long (default: 10 s, or no time bound when --ops is given)",
     )
     add("--ops", type=_count("--ops", 1), default=None, help="stop after this many operations")
-    add("--seed", type=_count("--seed", 0), default=0, help="everything random follows from it")
+    add(
+        "--seed",
+        type=_seed,
+        default=None,
+        help="everything random follows from it (default: a random seed, printed)",
+    )
     add(
         "--threads",
         type=_count("--threads", 1, _MOST_THREADS),

@@ -101,6 +101,7 @@ class StressResult:
     seconds: float = 0.0
     failure: Failure | None = None
     pool: BufferPool | None = None
+    interrupted: bool = False  # stopped by Ctrl-C: the figures are those verified until then
 
     @property
     def per_minute(self) -> float:

@@ -88,7 +88,10 @@ def run_stress(
     """
     out = out if out is not None else sys.stdout
     run = Run(config, err if err is not None else sys.stderr)
-    (run_threaded if config.threads > 1 else run_single)(run)
+    try:
+        (run_threaded if config.threads > 1 else run_single)(run)
+    except KeyboardInterrupt:  # Ctrl-C: stop, and still say what was verified
+        run.result.interrupted = True
     r = run.result
     r.seconds = time.monotonic() - run.start
     if run.tty:
@@ -116,10 +119,13 @@ def run_stress(
         print("\n".join(lines), file=out)
     if r.pool is not None:
         print(r.pool.report(), file=out)
+    if r.interrupted:
+        print("stress: interrupted (Ctrl-C); the figures below cover what ran before it", file=out)
+    refusals = f", {r.refusals:,} growths refused by the limit" if config.limit is not None else ""
+    faults = f", {r.faults:,} injected faults surfaced" if config.faults else ""
     print(
-        f"stress: {r.rounds:,} rounds over {', '.join(run.backends)}, {r.faults:,} injected faults "
-        f"surfaced, {r.refusals:,} growths refused by a limit, {r.per_minute:,.0f} ops/minute "
-        f"in {r.seconds:.1f} s",
+        f"stress: {r.rounds:,} rounds over {', '.join(run.backends)}{faults}{refusals}, "
+        f"{r.per_minute:,.0f} ops/minute in {r.seconds:.1f} s",
         file=out,
     )
     print(

@@ -140,11 +140,18 @@ class _ThreadedRound:
         for thread in threads:
             thread.start()
         base, faults, refusals = r.ops, r.faults, r.refusals
-        for thread in threads:
-            while thread.is_alive():
-                thread.join(timeout=0.5)
-                r.faults, r.refusals = faults + self.ex.faults, refusals + self.ex.refusals
-                self.run.progress(base + sum(self.done))
+        try:
+            for thread in threads:
+                while thread.is_alive():
+                    thread.join(timeout=0.5)
+                    r.faults, r.refusals = faults + self.ex.faults, refusals + self.ex.refusals
+                    self.run.progress(base + sum(self.done))
+        except KeyboardInterrupt:  # Ctrl-C lands here: stop the workers before saying so
+            self.stop.set()
+            for thread in threads:
+                thread.join()
+            r.ops = base + sum(self.done)
+            raise
         r.ops = base + sum(self.done)
         if self.out_of_memory is not None:
             raise self.out_of_memory
