@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -65,6 +67,20 @@ _SEED = int(os.environ.get("SHAREDMEM_SEED", random.SystemRandom().randrange(2**
 
 def pytest_report_header() -> str:
     return f"sharedmem: random seed {_SEED} (rerun with SHAREDMEM_SEED={_SEED})"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line per skip reason (``-ra`` would print one line per skipped test: dozens of the
+    same "no usable CUDA GPU" on a CPU machine)."""
+    reasons: collections.Counter[str] = collections.Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.write_sep("-", "skipped, by reason")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:>5}  {reason}")
 
 
 def pytest_configure(config: pytest.Config) -> None:
