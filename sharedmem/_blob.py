@@ -104,7 +104,11 @@ class Blob:
         size = check_shape(shape)
         kind = check_dtype(dtype)
         nbytes = check_blob_nbytes(size, kind)
-        self._shape, self._dtype = size, kind
+        # An equal shape keeps its object: caches that recorded it (the pool's fast path)
+        # compare by identity to learn that nothing retyped the blob since.
+        if size != self._shape:
+            self._shape = size
+        self._dtype = kind
         self._data.set_size(nbytes)
         self._grad.set_size(nbytes)
         return self
@@ -118,6 +122,27 @@ class Blob:
         self._shape, self._dtype, data_size, grad_size = typing
         self._data.set_size(data_size)
         self._grad.set_size(grad_size)
+
+    def retyped_view(
+        self, shape: ShapeLike, dtype: torch.dtype, access: Callable[[Blob], torch.Tensor]
+    ) -> tuple[torch.Tensor, SyncedMemory, int]:
+        """Retype, then take ``access(self)``, as one step under the data memory's lock.
+
+        Returns the view, the data memory and its stamp right after the access, so a cache can
+        tell later whether anything changed. If the access fails (a refused growth), shape,
+        dtype and sizes are put back before another thread can see them: a failed request
+        changes nothing.
+        """
+        memory = self._data
+        with memory.lock:
+            before = self._typing()
+            self.retype(shape, dtype)
+            try:
+                view = access(self)
+            except BaseException:
+                self._restore_typing(before)
+                raise
+            return view, memory, memory.version
 
     # ---- memories ------------------------------------------------------------------------
 
@@ -192,8 +217,22 @@ class Blob:
         """The gradient on the host side, for writing."""
         return self._typed(self._grad, SyncedMemory.mutable_host_data)
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # Pickle and deepcopy (copy.deepcopy(model) with a Blob attribute): the same shape,
+        # dtype and content in independent memories; blobs that share a memory and are copied
+        # together still share it (pickle keeps one object per object).
+        return (_rebuild_blob, (self._shape, self._dtype, self.name, self._data, self._grad))
+
     def __repr__(self) -> str:
         label = f"{self.name!r}, " if self.name else ""
         return (
             f"Blob({label}shape={tuple(self._shape)}, dtype={self._dtype}, device={self.device!r})"
         )
+
+
+def _rebuild_blob(
+    shape: torch.Size, dtype: torch.dtype, name: str, data: SyncedMemory, grad: SyncedMemory
+) -> Blob:
+    blob = Blob(shape, dtype, device=data.device, name=name, placement=data.placement)
+    blob._data, blob._grad = data, grad
+    return blob

@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from ._backends import Placement, resolve
+from ._backends import Placement, backend_names, resolve
 from ._devices import DeviceLike
 from ._side import Side
 from ._synced_copies import ExternalCopies
@@ -42,6 +42,19 @@ def _forget_sides(sides: tuple[Side, ...]) -> None:
         if side.block is not None:
             side.backend.forget(side.block)
             side.block = None
+
+
+def _rebuild_memory(
+    size: int, device: str, backend: str, name: str, content: torch.Tensor
+) -> SyncedMemory:
+    """A memory like the pickled one: its size and the bytes it had written below it."""
+    # The default backend where the pickled one does not exist here (vmm on another GPU, say).
+    chosen = backend if backend in backend_names(device) else None
+    memory = SyncedMemory(max(size, content.numel()), device=device, backend=chosen, name=name)
+    if content.numel():
+        memory.mutable_host_data()[: content.numel()].copy_(content)
+    memory.set_size(size)
+    return memory
 
 
 class Head(enum.Enum):
@@ -102,6 +115,7 @@ class SyncedMemory(ExternalCopies):
         self._device = self._host if accel is None else Side(accel)
         self._head = Head.UNINITIALIZED
         self._written = 0
+        self._peak_size = 0  # the largest size an accessor ever returned (the report's high water)
         self._lock = threading.RLock()
         self.version = next(_stamps)
         self.num_grows = 0
@@ -119,6 +133,17 @@ class SyncedMemory(ExternalCopies):
     def size(self) -> int:
         """Logical size in bytes: what the accessors return."""
         return self._size
+
+    @property
+    def peak_size(self) -> int:
+        """The largest logical size any accessor ever returned: the size's high-water mark."""
+        return self._peak_size
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The memory's lock, re-entrant: hold it across calls that must not interleave with
+        another thread's (a reshape, an access and a cached view of the result, say)."""
+        return self._lock
 
     @property
     def host_capacity(self) -> int:
@@ -148,6 +173,27 @@ class SyncedMemory(ExternalCopies):
         extra = 0 if self._device is self._host else self._device.capacity
         return self._host.capacity + extra
 
+    # ---- copies of the object -----------------------------------------------------------
+
+    def __copy__(self) -> SyncedMemory:
+        # A shallow copy would share both sides: release() of one would empty the other while
+        # it still claims to hold the bytes.
+        raise TypeError(
+            "sharedmem: a SyncedMemory cannot be shallow-copied (the copy would share its "
+            "memory); use copy.deepcopy(memory) for an independent memory with the same bytes"
+        )
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # Pickle and deepcopy: an independent memory on the same device, with the bytes below
+        # the current size (a pool's accounting does not travel: the copy is a plain memory).
+        with self._lock:
+            known = min(self._size, self._written)
+            content = (
+                self.host_data()[:known].clone() if known else torch.zeros(0, dtype=torch.uint8)
+            )
+        backend = self._placement.device_backend.kind
+        return (_rebuild_memory, (self._size, self.device, backend, self.name, content))
+
     def __repr__(self) -> str:
         label = f"{self.name!r}, " if self.name else ""
         return (
@@ -173,7 +219,7 @@ class SyncedMemory(ExternalCopies):
         with self._lock:
             self._to_host(min(self._size, self._written))
             self._host.settle()
-            return self._host.view(self._size)
+            return self._view(self._host)
 
     def mutable_host_data(self) -> torch.Tensor:
         """The host bytes for writing: as ``host_data``, then the host is the head."""
@@ -181,7 +227,7 @@ class SyncedMemory(ExternalCopies):
             self._to_host(self._written)  # the new head must hold every newest byte
             self._host.settle()
             self._wrote(self._host)
-            return self._host.view(self._size)
+            return self._view(self._host)
 
     def device_data(self) -> torch.Tensor:
         """The device bytes (1-D uint8, ``size`` long) for reading; syncs if the host is newer.
@@ -193,7 +239,7 @@ class SyncedMemory(ExternalCopies):
         with self._lock:
             self._to_device(min(self._size, self._written))
             self._device.order_device()
-            return self._device.view(self._size)
+            return self._view(self._device)
 
     def mutable_device_data(self) -> torch.Tensor:
         """The device bytes for writing: as ``device_data``, then the device is the head."""
@@ -203,7 +249,7 @@ class SyncedMemory(ExternalCopies):
             self._to_device(self._written)
             self._device.order_device()
             self._wrote(self._device)
-            return self._device.view(self._size)
+            return self._view(self._device)
 
     # ---- asynchronous copies ---------------------------------------------------------------
 
@@ -343,6 +389,12 @@ class SyncedMemory(ExternalCopies):
             # every newest byte, so forgetting that costs at most a copy, never a byte.
             other.valid = 0
         self._set_head(Head.AT_HOST if side is self._host else Head.AT_DEVICE)
+
+    def _view(self, side: Side) -> torch.Tensor:
+        """The accessors' result: ``size`` bytes of ``side``, the size's high water noted."""
+        if self._size > self._peak_size:
+            self._peak_size = self._size
+        return side.view(self._size)
 
     def _touch(self) -> None:
         """A new stamp: something a cached view depends on changed."""

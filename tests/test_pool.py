@@ -100,8 +100,11 @@ def test_a_refused_growth_loses_nothing(device: str) -> None:
     assert pool.tensor("a", (unit // 4,)).min().item() == 1.0  # content kept
     assert pool.tensor("b", (unit // 8,)).max().item() == 2.0
     with pytest.raises(sm.OutOfMemoryError):
-        pool.tensor("c", (unit,))  # a new buffer is refused too
-    assert "c" in pool and pool.blob("c").data_memory.reserved_bytes == 0
+        pool.tensor("c", (unit,))  # a new buffer is refused too, and leaves no name behind
+    assert "c" not in pool and pool.names() == ["a", "b"] and pool.stats()["num_buffers"] == 2
+    with pytest.raises(sm.OutOfMemoryError):
+        pool.host_tensor("c", (4 * unit,)) if device == "cpu" else pool.tensor("c", (4 * unit,))
+    assert "c" not in pool
     pool.set_limit(None)
     assert pool.tensor("a", (unit,)).shape == (unit,)  # the fix works
 
@@ -203,6 +206,24 @@ def test_trim_and_release_give_bytes_back() -> None:
     assert pool.stats()["device_reserved_bytes"] == 4096
     assert pool.tensor("a", (1000,)).max().item() == 1.0
     assert pool.release() == 4096 and pool.stats()["reserved_bytes"] == 0
+
+
+@pytest.mark.parametrize("backend", ["reserved", "pageable"])
+def test_what_trim_promises_to_views_taken_before_it(backend: str) -> None:
+    # The documented promise (BufferPool.trim): on a stable-address backend a view of the bytes
+    # below the size still reaches the buffer after trim(); on a moving backend trim() moves
+    # the buffer and such a view no longer does (call trim() between steps, when no thread
+    # holds a view), but nothing is lost: a view taken after trim() has every byte.
+    pool = sm.BufferPool("cpu", backend=backend)
+    pool.tensor("a", (MiB,)).fill_(1.0)
+    before = pool.tensor("a", (1000,))
+    assert pool.trim() > 0
+    after = pool.tensor("a", (1000,))
+    assert bool((after == 1.0).all())
+    before.fill_(2.0)
+    reaches = bool((pool.tensor("a", (1000,)) == 2.0).all())
+    assert reaches is (backend == "reserved")
+    assert pool.blob("a").data_memory.placement.host.stable_address is (backend == "reserved")
 
 
 def test_report_is_biggest_first_with_totals_last() -> None:

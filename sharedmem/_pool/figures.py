@@ -35,7 +35,6 @@ class PoolFigures:
 
     # Set by BufferPool.__init__.
     _blobs: dict[str, Blob]
-    _high_water: dict[str, int]
     _ledger: Ledger
     _phases: PhaseBook
     _timeline: Timeline | None
@@ -81,7 +80,8 @@ class PoolFigures:
 
         ``reserved_bytes`` counts unique physical bytes on both sides; ``active_bytes`` is the
         logical size of every buffer that holds memory, capped at what it holds;
-        ``high_water_bytes`` the sum of each name's largest request.
+        ``high_water_bytes`` the sum of each name's high-water mark: the largest size any
+        view of its data ever had.
         """
         ledger = self._ledger
         return {
@@ -91,7 +91,7 @@ class PoolFigures:
             "host_reserved_bytes": ledger.host,
             "active_bytes": self._active_bytes(),
             "peak_reserved_bytes": ledger.peak,
-            "high_water_bytes": sum(list(self._high_water.values())),
+            "high_water_bytes": sum(b.data_memory.peak_size for b in list(self._blobs.values())),
             **ledger.snapshot(),
             "unpooled_bytes": 0,
             **self._counts,
@@ -156,7 +156,7 @@ class PoolFigures:
 
     def report(self) -> str:
         """A table a person reads: every buffer, biggest first, totals last."""
-        return format_report(self.device, self._blobs, self._high_water, self.stats())
+        return format_report(self.device, self._blobs, self.stats())
 
     def _explain(self, label: str, allocator_failed: bool) -> str:
         text = f"buffer {label!r} could not grow; biggest buffers: {biggest_buffers(self._blobs)}"

@@ -21,11 +21,42 @@ from .timeline import Timeline
 
 __all__ = ["BufferPool"]
 
-# What the fast path remembers per name: the shape and dtype it was asked for, the memory
-# and its version stamp when the view was made, the view, and the blob. The blob is checked
-# to still use that memory: share_data switches a name to another memory without changing
-# either memory's stamp.
-_Entry = tuple[object, torch.dtype, SyncedMemory, int, torch.Tensor, Blob]
+
+class _Cached:
+    """What the fast path remembers of a name's last view, and the one check that it may be
+    handed out again."""
+
+    __slots__ = ("blob", "dtype", "key", "memory", "shape", "version", "view")
+
+    def __init__(
+        self,
+        key: object,
+        dtype: torch.dtype,
+        blob: Blob,
+        view: torch.Tensor,
+        memory: SyncedMemory,
+        version: int,
+    ) -> None:
+        self.key, self.dtype, self.blob, self.view = key, dtype, blob, view
+        self.memory, self.version, self.shape = memory, version, blob.shape
+
+    def serves(self, shape: object, dtype: torch.dtype) -> bool:
+        """The cached view is what a request for ``shape`` and ``dtype`` would return now."""
+        blob = self.blob
+        return (
+            dtype is self.dtype
+            and self.memory.version == self.version  # no growth, move, sync or release since
+            and blob.data_memory is self.memory  # not since left by share_data
+            # Not retyped since by anything else (the other fast path, blob(), reshape): a
+            # retype that changes the shape makes a new Size object.
+            and blob.shape is self.shape
+            and blob.dtype is dtype
+            # The shape as asked for before, spelt alike and with int elements: (2.0, 3.0)
+            # equals (2, 3) but is no shape, and must fail here as on the slow path. A key is
+            # only ever kept as the caller's own object when it holds nothing mutable.
+            and type(shape) is type(self.key)
+            and (shape is self.key or (shape == self.key and _plain(shape)))
+        )
 
 
 class BufferPool(PoolFigures):
@@ -75,9 +106,8 @@ class BufferPool(PoolFigures):
         self._limit = None if limit is None else check_nbytes(limit, "limit")
         self._ledger = Ledger(single=self._base.accel is None)
         self._blobs: dict[str, Blob] = {}
-        self._high_water: dict[str, int] = {}
-        self._fast: dict[str, _Entry] = {}
-        self._fast_host: dict[str, _Entry] = {}
+        self._fast: dict[str, _Cached] = {}
+        self._fast_host: dict[str, _Cached] = {}
         self._lock = threading.Lock()  # guards creating names, not using them
         self._phases = PhaseBook(self._ledger)
         self._timeline: Timeline | None = None
@@ -120,6 +150,14 @@ class BufferPool(PoolFigures):
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._blobs))
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError(
+            "sharedmem: a BufferPool cannot be pickled or copied: its buffers, limit and "
+            "accounting belong to this process. Create a pool in the other process (or copy) "
+            "with BufferPool(device, limit=...), and pickle the blobs whose content you need "
+            "(pool.blob(name))"
+        )
 
     def __repr__(self) -> str:
         return (
@@ -209,18 +247,8 @@ class BufferPool(PoolFigures):
             entry = self._fast.get(name)
         except TypeError:  # an unhashable name: the slow path says what is wrong
             entry = None
-        if (
-            entry is not None
-            and entry[1] is dtype
-            and entry[2].version == entry[3]
-            and entry[5]._data is entry[2]  # not since left by share_data
-            # The shape as asked for before, spelt alike and with int elements: (2.0, 3.0)
-            # equals (2, 3) but is no shape, and must fail here as on the slow path. A key is
-            # only ever kept as the caller's own object when it holds nothing mutable.
-            and type(shape) is type(entry[0])
-            and (shape is entry[0] or (shape == entry[0] and _plain(shape)))
-        ):
-            return entry[4].detach()
+        if entry is not None and entry.serves(shape, dtype):
+            return entry.view.detach()
         return self._acquire(self._fast, name, shape, dtype, Blob.mutable_data)
 
     def host_tensor(
@@ -231,20 +259,13 @@ class BufferPool(PoolFigures):
             entry = self._fast_host.get(name)
         except TypeError:
             entry = None
-        if (
-            entry is not None
-            and entry[1] is dtype
-            and entry[2].version == entry[3]
-            and entry[5]._data is entry[2]
-            and type(shape) is type(entry[0])
-            and (shape is entry[0] or (shape == entry[0] and _plain(shape)))
-        ):
-            return entry[4].detach()
+        if entry is not None and entry.serves(shape, dtype):
+            return entry.view.detach()
         return self._acquire(self._fast_host, name, shape, dtype, Blob.mutable_host_data)
 
     def _acquire(
         self,
-        cache: dict[str, _Entry],
+        cache: dict[str, _Cached],
         name: str,
         shape: ShapeLike,
         dtype: torch.dtype,
@@ -252,8 +273,8 @@ class BufferPool(PoolFigures):
     ) -> torch.Tensor:
         check_name(name)
         size, kind = check_shape(shape), check_dtype(dtype)  # before anything changes
+        created = name not in self._blobs
         blob = self.blob(name)
-        memory = blob.data_memory
         # Remember the shape as the caller spells it, to compare with the next call's: an int,
         # a Size or a tuple of ints as it is, a list of ints as a copy (the caller may change
         # theirs); anything else (numpy ints, an array) as a plain tuple, which such a call
@@ -261,20 +282,23 @@ class BufferPool(PoolFigures):
         key: object = tuple(size)
         if _plain(shape):
             key = list(shape) if type(shape) is list else shape
-        # Under the memory's lock from the reshape to the cached view: a request that fails
-        # puts the blob back before another thread's request on this name can see it.
-        with memory._lock:
-            before = blob._typing()
-            blob.retype(size, kind)
-            try:
-                view = access(blob)
-            except BaseException:
-                blob._restore_typing(before)  # a refused request changes nothing
-                raise
-            cache[name] = (key, dtype, memory, memory.version, view, blob)
-        if blob.nbytes > self._high_water.get(name, 0):
-            self._high_water[name] = blob.nbytes
+        try:
+            view, memory, version = blob.retyped_view(size, kind, access)
+        except BaseException:
+            if created:  # a refused first request leaves no name behind
+                self._drop_new_name(name, blob)
+            raise
+        cache[name] = _Cached(key, dtype, blob, view, memory, version)
         return view.detach()
+
+    def _drop_new_name(self, name: str, blob: Blob) -> None:
+        with self._lock:
+            # Unless another thread has used the name meanwhile (its request may have grown it).
+            memory = blob.data_memory
+            if self._blobs.get(name) is blob and memory.reserved_bytes == 0:
+                del self._blobs[name]
+                self._fast.pop(name, None)
+                self._fast_host.pop(name, None)
 
     # ---- limit, trimming ---------------------------------------------------------------
 
@@ -291,7 +315,15 @@ class BufferPool(PoolFigures):
         self._limit = None if nbytes is None else check_nbytes(nbytes, "limit")
 
     def trim(self) -> int:
-        """Shrink every buffer to its current size; returns the bytes given back."""
+        """Shrink every buffer to its current size; returns the bytes given back.
+
+        On a stable-address backend (the defaults on ``cpu``, ``emulated`` and ``cuda`` with
+        vmm) the buffers stay where they are, so views of the bytes below each size stay
+        valid. On a moving backend (``pageable``, ``cudart``, ``torch``) trimming moves every
+        buffer it shrinks, like a growth does: a view taken before ``trim()`` no longer reaches
+        the buffer, and a write through it is lost. There, call ``trim()`` between steps,
+        when no thread holds or is acquiring a view, and fetch views afresh after it.
+        """
         self._forget_views()
         return sum(memory.shrink_to_fit() for memory in self._memories())
 

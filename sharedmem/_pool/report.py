@@ -59,9 +59,7 @@ def biggest_buffers(blobs: Mapping[str, Blob], count: int = 3) -> str:
     return ", ".join(f"{name!r} {memory.device_capacity:,} bytes" for name, _, memory in rows)
 
 
-def format_report(
-    device: str, blobs: Mapping[str, Blob], high_water: Mapping[str, int], stats: Mapping[str, int]
-) -> str:
+def format_report(device: str, blobs: Mapping[str, Blob], stats: Mapping[str, int]) -> str:
     """Every buffer (name, shape, dtype, sizes, capacities, head, grows), totals last."""
     header = (
         "name",
@@ -82,7 +80,7 @@ def format_report(
                 "x".join(str(d) for d in blob.shape) or "()",
                 str(blob.dtype).removeprefix("torch."),
                 f"{memory.size:,}",
-                f"{high_water.get(name, 0):,}" if memory is blob.data_memory else "",
+                f"{memory.peak_size:,}",  # the largest size any view of it ever had
                 f"{memory.host_capacity:,}",
                 f"{memory.device_capacity:,}",
                 memory.head.name,
