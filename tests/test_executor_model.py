@@ -5,6 +5,7 @@ tracing that leaves no trace on it."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -435,3 +436,77 @@ def test_a_loss_that_reads_the_parameters_gets_their_gradients() -> None:
     expected.backward()
     close(step(x, y), expected.detach())
     assert_same_grads(eager, pooled)
+
+
+def test_autocast_with_batch_norm_equals_eager() -> None:
+    # The CPU kernel keeps batch-norm statistics in float32 under a bfloat16 input; the traced
+    # kernel says bfloat16: those calls run as eager runs them.
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    eager = copy.deepcopy(model)
+    pool = sm.BufferPool()
+    step = sm.pooled_train_step(model, nn.MSELoss(), pool=pool)
+    x, y = torch.randn(6, 4), torch.randn(6, 1)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = step(x, y)
+            expected = nn.MSELoss()(eager(x).float(), y)
+        expected.backward()
+        assert torch.equal(loss, expected.detach())
+    for a, b in zip(eager.parameters(), model.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+    for a, b in zip(eager.buffers(), model.buffers(), strict=True):
+        assert torch.equal(a, b)
+    model.eval()
+    eager.eval()
+    fwd = sm.pooled_forward(model, pool=pool)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert torch.equal(fwd(x), eager(x))
+
+
+def test_a_failed_call_leaves_the_model_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    step = sm.pooled_train_step(model, nn.MSELoss(), pool=sm.BufferPool())
+    x, y = torch.randn(6, 4), torch.randn(6, 1)
+    step(x, y)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    key, compiled = next(iter(step._cache.items()))
+    real = compiled.runner
+
+    def fails_at_the_end(*args: object) -> object:
+        real(*args)  # every in-place change of the graph is done by now
+        raise RuntimeError("a kernel failed")
+
+    failing = dataclasses.replace(compiled, runner=fails_at_the_end)
+    monkeypatch.setitem(step._cache, key, failing)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        step(x, y)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, before[name]), name  # num_batches_tracked included
+
+
+def test_none_in_inputs_and_targets_runs_as_eager() -> None:
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, batch: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+            x, mask = batch
+            out = self.linear(x)
+            return out if mask is None else out * mask
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+        return out.pow(2).mean() if target is None else (out - target).pow(2).mean()
+
+    torch.manual_seed(8)
+    model = Masked()
+    eager = copy.deepcopy(model)
+    pool = sm.BufferPool()
+    step = sm.pooled_train_step(model, loss_fn, pool=pool)
+    fwd = sm.pooled_forward(model, pool=pool)
+    x, mask = torch.randn(3, 4), torch.ones(4)
+    assert torch.equal(step((x, None), None), loss_fn(eager((x, None)), None).detach())
+    with torch.no_grad():
+        assert torch.equal(fwd((x, None)), eager((x, None)))
+        assert torch.equal(fwd((x, mask)), eager((x, mask)))  # another signature

@@ -21,7 +21,7 @@ from .._pool import BufferPool
 from .._validate import check_name
 from .binding import Binding, Place, State
 from .codegen import Runner, generate
-from .graph import analyse
+from .graph import BATCH_NORMS, analyse
 from .plan import PLANS, PlanSummary, assign_slots, merge
 from .trace import Leaves, Traced
 
@@ -40,6 +40,9 @@ class Compiled:
     stored: tuple[Place, ...]  # where the last len(stored) outputs are written back
     autocast: bool  # traced under autocast: the runner runs its ops as they were recorded
     out_spec: pytree.TreeSpec | None = None
+    # Inputs the graph changes in place (running statistics, num_batches_tracked): saved
+    # before each call and put back if it fails, so a failed call leaves the model as it was.
+    mutated: tuple[int, ...] = ()
 
 
 class Executor:
@@ -173,6 +176,7 @@ class Executor:
             traced.stored,
             autocast,
             traced.spec,
+            mutated_inputs(gm),
         )
 
     def _capacities(self) -> dict[str, int]:
@@ -189,8 +193,13 @@ class Executor:
         torch._C._set_grad_enabled(False)  # as torch.no_grad(), without its per-call cost
         if compiled.autocast:  # the recorded ops are already cast: run them as they are
             torch.set_autocast_enabled(self._device_type, False)
+        saved = [flat[i].clone() for i in compiled.mutated]
         try:
             outputs = compiled.runner(self.pool.tensor, *flat)
+        except BaseException:
+            for i, before in zip(compiled.mutated, saved, strict=True):
+                flat[i].copy_(before)
+            raise
         finally:
             torch._C._set_grad_enabled(enabled)
             if compiled.autocast:
@@ -210,6 +219,32 @@ class Executor:
             else:
                 setattr(module, place.attr, value)  # as the forward's assignment did
         return outputs[:n]
+
+
+def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
+    """The positions of the placeholders that ops of ``gm`` write in place (through views too)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    position = {node: i for i, node in enumerate(placeholders)}
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        targets = [
+            value
+            for argument, value in zip(schema.arguments, node.args, strict=False)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ]
+        if node.target in BATCH_NORMS:
+            # Run through an out= form that updates the running statistics in place.
+            targets += node.args[3:5]
+        for value in targets:
+            base = value
+            while isinstance(base, torch.fx.Node) and base not in position and base.args:
+                base = base.args[0]  # a view of a view of an input: the input
+            if isinstance(base, torch.fx.Node) and base in position:
+                written.add(position[base])
+    return tuple(sorted(written))
 
 
 def describe(what: str, *trees: Leaves) -> str:

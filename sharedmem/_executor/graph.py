@@ -26,6 +26,8 @@ from .._errors import SharedMemError
 from .ops import Kind, OpRule, rule_for
 from .plan import Lifetime
 
+aten = torch.ops.aten
+
 __all__ = ["Analysis", "Buffer", "Step", "analyse", "extent", "op_name"]
 
 _PLAIN = OpRule(Kind.PLAIN)
@@ -261,6 +263,8 @@ def _rule(node: Node, device: torch.device, *, all_fresh: bool) -> OpRule:
     rule = rule_for(target, device.type)
     if rule.kind in (Kind.PLAIN, Kind.ALIAS):
         return rule
+    if target in BATCH_NORMS and _mixed_dtypes(node):
+        return _PLAIN
     if rule.adapt is not None and rule.adapt(node.args, node.kwargs) is None:
         return _PLAIN
     results = _results(node)
@@ -273,6 +277,31 @@ def _rule(node: Node, device: torch.device, *, all_fresh: bool) -> OpRule:
     if rule.kind is not Kind.OUT and _buffer(results[0]) is None:  # type: ignore[arg-type]
         return _PLAIN  # a zero-byte factory or copy: nothing to pool
     return rule
+
+
+# Batch norm on a low-precision input with float32 parameters (autocast): the CPU kernel keeps
+# its statistics (and the parameters' gradients) in float32, while the traced (meta) kernel
+# says the input's dtype, so a pool buffer in the traced dtype is refused by the out= kernel.
+# Such calls run as eager does; everything else about them is unchanged.
+BATCH_NORMS: frozenset[OpOverload] = frozenset(
+    getattr(aten, name).default
+    for name in (
+        "_native_batch_norm_legit_functional",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_no_training",
+        "native_batch_norm",
+        "native_batch_norm_backward",
+    )
+)
+
+
+def _mixed_dtypes(node: Node) -> bool:
+    dtypes = {
+        arg.meta["val"].dtype
+        for arg in node.args
+        if isinstance(arg, Node) and isinstance(arg.meta.get("val"), torch.Tensor)
+    }
+    return len(dtypes) > 1
 
 
 def _writes_through_strides(op: OpOverload) -> bool:

@@ -50,12 +50,25 @@ class Leaves:
     tensors: list[torch.Tensor]
     key: tuple[object, ...]
     spec: pytree.TreeSpec
-    constants: tuple[object, ...]  # non-tensor leaves, None where a tensor goes
+    constants: tuple[object, ...]  # non-tensor leaves, TENSOR where a tensor goes
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
         it = iter(tensors)
-        leaves = [next(it) if c is None else c for c in self.constants]
+        leaves = [next(it) if c is TENSOR else c for c in self.constants]
         return pytree.tree_unflatten(leaves, self.spec)
+
+
+class _TensorSlot:
+    """Marks where a tensor goes among the constants (``None`` is a constant like any other:
+    an absent mask, ``step(x, None)``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "TENSOR"
+
+
+TENSOR = _TensorSlot()
 
 
 _LEAF = pytree.tree_flatten(0)[1]
@@ -65,7 +78,7 @@ def flatten(tree: object, what: str) -> Leaves:
     """Split ``tree`` into tensors and a key: shapes, strides, dtypes, devices, constants."""
     if type(tree) is torch.Tensor and not tree.requires_grad:  # the common case, made cheap
         meta = (tree.shape, tree.stride(), tree.dtype, tree.device)
-        return Leaves([tree], (_LEAF, meta), _LEAF, (None,))
+        return Leaves([tree], (_LEAF, meta), _LEAF, (TENSOR,))
     leaves, spec = pytree.tree_flatten(tree)
     tensors: list[torch.Tensor] = []
     key: list[object] = [spec]
@@ -79,7 +92,7 @@ def flatten(tree: object, what: str) -> Leaves:
                 )
             tensors.append(leaf)
             key.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device))
-            constants.append(None)
+            constants.append(TENSOR)
         else:
             try:
                 hash(leaf)
