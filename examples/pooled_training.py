@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "eval_added_bytes": eval_added,
         "grows_after_warmup": grows_after_warmup,
         "reserved_bytes": pool.stats()["reserved_bytes"],
-        "unpooled_bytes": pool.stats()["unpooled_bytes"],
+        "unpooled_bytes_total": pool.stats()["unpooled_bytes_total"],
+        "unpooled_bytes_per_call": pool.stats()["unpooled_bytes_per_call"],
         "saving": summary.saving,
     }
 

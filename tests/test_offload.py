@@ -105,8 +105,8 @@ def test_gradients_equal_the_plain_run_exactly(
             assert torch.equal(loss, pooled_loss)
             assert_same_grads(plain, pooled, f"step {step} batch {batch} seed {seed}")
     stats = pool.stats()
-    assert stats["offloaded_bytes" if offload else "pooled_bytes"] > 0
-    assert stats["restored_bytes"] > 0
+    assert stats["offloaded_bytes_total" if offload else "pooled_bytes_total"] > 0
+    assert stats["restored_bytes_total"] > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -181,26 +181,28 @@ def test_stats_count_offloaded_restored_and_prefetched_bytes_on_emulated() -> No
     stats = pool.stats()
     # Saved and at least 1 MiB: the input and four ReLU outputs (each also the next Linear's
     # input, stored once). The weights (and their transposes) are left alone.
-    assert stats["offloaded_bytes"] == stats["device_to_host_bytes"] == 5 * MiB
-    assert stats["restored_bytes"] == 0
+    assert stats["offloaded_bytes_total"] == stats["device_to_host_bytes"] == 5 * MiB
+    assert stats["restored_bytes_total"] == 0
     assert stats["device_reserved_bytes"] == 0 and stats["host_reserved_bytes"] == 5 * MiB
     loss.backward()
     stats = pool.stats()
     # Backward starts where forward ended: the last two offloads (h4, h3) were still in
     # flight, so they are handed back from the device; the rest come back by copy, each
     # once, and each ahead of use.
-    assert stats["kept_bytes"] == 2 * MiB
-    assert stats["restored_bytes"] == stats["host_to_device_bytes"] == 3 * MiB
-    assert stats["prefetched_bytes"] == 3 * MiB
+    assert stats["kept_bytes_total"] == 2 * MiB
+    assert stats["restored_bytes_total"] == stats["host_to_device_bytes"] == 3 * MiB
+    assert stats["prefetched_bytes_total"] == 3 * MiB
     report = pool.report()
-    assert "offloaded 5,242,880 bytes" in report and "restored 3,145,728 bytes" in report
-    assert "prefetched 3,145,728 bytes" in report and "kept 2,097,152 bytes" in report
+    assert (
+        "offloaded total 5,242,880 bytes" in report and "restored total 3,145,728 bytes" in report
+    )
+    assert "prefetched total 3,145,728 bytes" in report and "kept total 2,097,152 bytes" in report
 
     quiet = sm.BufferPool("emulated")
     with sm.save_on_pool(quiet, prefetch=False):
         model(x).square().sum().backward()
-    assert quiet.stats()["prefetched_bytes"] == 0
-    assert quiet.stats()["restored_bytes"] == 3 * MiB
+    assert quiet.stats()["prefetched_bytes_total"] == 0
+    assert quiet.stats()["restored_bytes_total"] == 3 * MiB
     assert "prefetched" not in quiet.report()
 
 
@@ -211,10 +213,10 @@ def test_without_offload_saved_tensors_live_in_device_buffers() -> None:
     with sm.save_on_pool(pool, offload=False):
         loss = model(x).sum()
     stats = pool.stats()
-    assert stats["pooled_bytes"] == stats["device_reserved_bytes"] == 3 * MiB
-    assert stats["host_reserved_bytes"] == stats["offloaded_bytes"] == 0
+    assert stats["pooled_bytes_total"] == stats["device_reserved_bytes"] == 3 * MiB
+    assert stats["host_reserved_bytes"] == stats["offloaded_bytes_total"] == 0
     loss.backward()
-    assert pool.stats()["restored_bytes"] == 3 * MiB
+    assert pool.stats()["restored_bytes_total"] == 3 * MiB
     assert pool.stats()["host_to_device_bytes"] == 0
 
 
@@ -229,8 +231,12 @@ def test_prefetch_takes_a_depth(prefetch: int) -> None:
     loss.backward()
     assert_same_grads(plain, pooled, f"prefetch={prefetch}")
     stats = pool.stats()
-    assert stats["restored_bytes"] + stats["kept_bytes"] == stats["offloaded_bytes"] == 7 * MiB
-    assert (stats["prefetched_bytes"] > 0) == (prefetch > 0)
+    assert (
+        stats["restored_bytes_total"] + stats["kept_bytes_total"]
+        == stats["offloaded_bytes_total"]
+        == 7 * MiB
+    )
+    assert (stats["prefetched_bytes_total"] > 0) == (prefetch > 0)
 
 
 def test_a_pool_limit_caps_saved_tensors_kept_on_the_device() -> None:
@@ -250,11 +256,11 @@ def test_parameters_and_small_tensors_are_left_alone(device: str) -> None:
     x = torch.randn(4, 1024, dtype=F64)  # 32 KiB activations
     with sm.save_on_pool(pool):
         big(x).relu().sum().backward()
-    assert len(pool) == 0 and pool.stats()["offloaded_bytes"] == 0
+    assert len(pool) == 0 and pool.stats()["offloaded_bytes_total"] == 0
     with sm.save_on_pool(pool, min_bytes=32 * 1024):
         big(x).relu().sum().backward()
     # x and the ReLU output; never the weight, its transpose or a leaf that requires grad
-    assert pool.stats()["offloaded_bytes"] == 2 * 32 * 1024
+    assert pool.stats()["offloaded_bytes_total"] == 2 * 32 * 1024
 
 
 # ---- host memory: grown once, then reused -----------------------------------------------------
@@ -307,7 +313,7 @@ def test_a_graph_dropped_without_backward_gives_its_buffers_back() -> None:
         del loss  # no backward: autograd drops the handles with the graph
         gc.collect()
     assert sorted(pool.names()) == ["offload.0", "offload.1", "offload.2"]
-    assert pool.stats()["restored_bytes"] == 0
+    assert pool.stats()["restored_bytes_total"] == 0
 
 
 def test_the_saved_tensors_device_memory_is_given_back() -> None:
@@ -337,9 +343,9 @@ def test_the_saved_tensors_device_memory_is_given_back() -> None:
     with sm.save_on_pool(pool):
         loss, memory = forward(1)
     assert memory() is not None  # among the last offloads of forward: kept for backward
-    kept = pool.stats()["kept_bytes"]
+    kept = pool.stats()["kept_bytes_total"]
     loss.backward()
-    assert memory() is None and pool.stats()["kept_bytes"] == kept + 2 * MiB
+    assert memory() is None and pool.stats()["kept_bytes_total"] == kept + 2 * MiB
 
 
 # ---- misuse ----------------------------------------------------------------------------------
@@ -355,13 +361,13 @@ def test_nesting_is_refused_and_the_outer_block_still_works() -> None:
         with pytest.raises(sm.SharedMemError, match="cannot be nested"), outer:
             pass
         loss = (x * 2).exp().sum()
-    assert pool.stats()["offloaded_bytes"] == MiB  # the outer hooks were still in place
+    assert pool.stats()["offloaded_bytes_total"] == MiB  # the outer hooks were still in place
     loss.backward()
     (x * 2).exp().sum().backward()  # outside: nothing goes to the pool any more
-    assert pool.stats()["offloaded_bytes"] == MiB
+    assert pool.stats()["offloaded_bytes_total"] == MiB
     with outer:  # one object may be entered again once it has exited
         (x * 3).exp().sum().backward()
-    assert pool.stats()["offloaded_bytes"] == 2 * MiB
+    assert pool.stats()["offloaded_bytes_total"] == 2 * MiB
 
 
 def test_hooks_are_removed_when_the_block_raises() -> None:
@@ -370,10 +376,10 @@ def test_hooks_are_removed_when_the_block_raises() -> None:
     with pytest.raises(ZeroDivisionError), sm.save_on_pool(pool):
         _ = 1 / 0
     (x * 2).exp().sum().backward()
-    assert pool.stats()["offloaded_bytes"] == 0
+    assert pool.stats()["offloaded_bytes_total"] == 0
     with sm.save_on_pool(pool):  # and a new block may start
         (x * 2).exp().sum().backward()
-    assert pool.stats()["offloaded_bytes"] == MiB
+    assert pool.stats()["offloaded_bytes_total"] == MiB
 
 
 def test_a_saved_tensor_changed_in_place_is_refused_in_backward() -> None:
@@ -507,7 +513,7 @@ def test_the_pooled_executor_runs_inside_save_on_pool_which_does_not_apply_to_it
         step(x, y)
     for p, expected in zip(model.parameters(), eager, strict=True):
         torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=0)
-    assert pool.stats().get("offloaded_bytes", 0) == 0
+    assert pool.stats().get("offloaded_bytes_total", 0) == 0
 
 
 def test_a_saved_temporary_view_changed_in_place_is_refused() -> None:
@@ -694,7 +700,7 @@ def test_frozen_parameters_and_views_of_them_are_left_alone(device: str) -> None
     pool = sm.BufferPool(device)
     with sm.save_on_pool(pool):
         out = loss()
-    assert len(pool) == 0 and pool.stats()["offloaded_bytes"] == 0
+    assert len(pool) == 0 and pool.stats()["offloaded_bytes_total"] == 0
     got = torch.autograd.grad(out, [x, *adapter.parameters()])
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)

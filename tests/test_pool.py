@@ -270,7 +270,7 @@ def test_count_unpooled() -> None:
     pool = sm.BufferPool()
     pool.count_unpooled(1000)
     pool.count_unpooled(24)
-    assert pool.stats()["unpooled_bytes"] == 1024
+    assert pool.stats()["unpooled_bytes_total"] == 1024
     with pytest.raises(ValueError, match=r"^sharedmem: nbytes must be >= 0"):
         pool.count_unpooled(-1)
 
@@ -389,15 +389,15 @@ def test_layers_count_their_bytes_and_the_report_shows_them() -> None:
     pool = sm.BufferPool("emulated")
     pool.tensor("x", (10,))
     assert "offloaded" not in pool.report()
-    pool.count("offloaded_bytes", 4096)
-    pool.count("offloaded_bytes", 4096)
+    pool.count("offloaded_bytes_total", 4096)
+    pool.count("offloaded_bytes_total", 4096)
     pool.count_unpooled(100)
     stats = pool.stats()
-    assert stats["offloaded_bytes"] == 8192 and stats["unpooled_bytes"] == 100
+    assert stats["offloaded_bytes_total"] == 8192 and stats["unpooled_bytes_total"] == 100
     last = pool.report().splitlines()[-1]
-    assert "unpooled 100 bytes" in last and "offloaded 8,192 bytes" in last
+    assert "unpooled total 100 bytes" in last and "offloaded total 8,192 bytes" in last
     with pytest.raises(ValueError, match=r"^sharedmem: nbytes must be >= 0"):
-        pool.count("offloaded_bytes", -1)
+        pool.count("offloaded_bytes_total", -1)
 
 
 def test_adaptors_wrap_both_sides_innermost_first() -> None:
@@ -679,7 +679,7 @@ def test_layers_cannot_count_into_the_pools_own_figures() -> None:
     with pytest.raises(ValueError, match=r"^sharedmem: 'reserved_bytes' is one of the pool's"):
         pool.count("reserved_bytes", 1)
     pool.count_unpooled(5)  # the one shared key, through its own method
-    assert pool.stats()["unpooled_bytes"] == 5 and pool.stats()["reserved_bytes"] == 0
+    assert pool.stats()["unpooled_bytes_total"] == 5 and pool.stats()["reserved_bytes"] == 0
 
 
 def test_on_a_moving_backend_the_limit_caps_the_peak_of_a_growth_too() -> None:

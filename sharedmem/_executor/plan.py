@@ -170,9 +170,9 @@ class PlanSummary:
         per_node_bytes: bytes one buffer per intermediate would need.
         added_bytes: bytes the graph actually added to the shared pool when it was planned;
             with buffers of earlier graphs (a train step before an eval forward) it is much
-            less than ``pooled_bytes``.
+            less than ``pooled_bytes_total``.
         unpooled_bytes: bytes each call allocates outside the pool (ops with no native
-            ``out=`` form); these are counted in the pool's ``unpooled_bytes``.
+            ``out=`` form); these are counted in the pool's ``unpooled_bytes_total``.
         unpooled_ops: those ops, by name.
     """
 

@@ -131,7 +131,7 @@ def pooled_train_step(
     function; later calls of that signature only run it. Every intermediate an op allocates
     is written into a named pool buffer through the op's ``out=`` form; views and in-place
     ops stay what they are; ops without a native ``out=`` form allocate as in eager and are
-    counted in ``pool.stats()["unpooled_bytes"]``.
+    counted in ``pool.stats()["unpooled_bytes_total"]``.
 
     The model may change between calls: a replaced, added or removed submodule, parameter or
     buffer, or weights untied, is noticed on the next call, which traces anew. Lazy modules

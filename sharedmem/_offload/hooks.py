@@ -21,11 +21,11 @@ _DEFAULT_MIN_BYTES = 1 << 20
 _DEFAULT_DEPTH = 2  # restored tensors in flight ahead of backward, at most
 _WINDOW = 2  # offloads in flight behind forward, at most
 _COUNTERS = (
-    "offloaded_bytes",
-    "prefetched_bytes",
-    "restored_bytes",
-    "kept_bytes",
-    "pooled_bytes",
+    "offloaded_bytes_total",
+    "prefetched_bytes_total",
+    "restored_bytes_total",
+    "kept_bytes_total",
+    "pooled_bytes_total",
 )
 
 _active = threading.local()  # the save_on_pool active in this thread, if any
@@ -95,10 +95,11 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
     raises ``SharedMemError``, a ``RuntimeError`` with autograd's words, in backward, as
     autograd does without hooks (with hooks, ``save_on_cpu`` included, autograd checks nothing).
 
-    **Stats** (``pool.stats()``, and ``report()`` when not zero): ``offloaded_bytes`` copied
-    into host buffers, ``pooled_bytes`` copied into device buffers (``offload=False``),
-    ``restored_bytes`` copied back for backward, ``prefetched_bytes`` the part of those that was
-    restored ahead of use, ``kept_bytes`` handed back from device memory still held for an
+    **Stats** (``pool.stats()``, and ``report()`` when not zero; running totals over every
+    step): ``offloaded_bytes_total`` copied into host buffers, ``pooled_bytes_total`` copied
+    into device buffers (``offload=False``), ``restored_bytes_total`` copied back for backward,
+    ``prefetched_bytes_total`` the part of those that was restored ahead of use,
+    ``kept_bytes_total`` handed back from device memory still held for an
     offload in flight (no copy). On ``emulated`` the copies also count in
     ``device_to_host_bytes`` and ``host_to_device_bytes``.
 
@@ -124,7 +125,8 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
         ...     loss = model(x).square().sum()
         >>> loss.backward()
         >>> s = pool.stats()
-        >>> s["offloaded_bytes"] >> 20, (s["restored_bytes"] + s["kept_bytes"]) >> 20
+        >>> back = s["restored_bytes_total"] + s["kept_bytes_total"]
+        >>> s["offloaded_bytes_total"] >> 20, back >> 20
         (10, 10)
         >>> s["device_reserved_bytes"], s["num_grows"]
         (0, 5)

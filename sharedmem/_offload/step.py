@@ -269,10 +269,10 @@ class Step:
             if self.offload:
                 stream = self.copies.current()
                 held = Restored(source, self.copies.to_host(memory, source), stream)
-                self.pool.count("offloaded_bytes", nbytes)
+                self.pool.count("offloaded_bytes_total", nbytes)
             else:
                 memory.mutable_device_data().copy_(source)
-                self.pool.count("pooled_bytes", nbytes)
+                self.pool.count("pooled_bytes_total", nbytes)
         except BaseException:
             self.names.release(key)
             raise
@@ -321,7 +321,7 @@ class Step:
             # the reader waits for the offload, as a retire would, before it can free it.
             restored, slot.source = slot.source, None
             self.inflight.remove(slot)
-            self.pool.count("kept_bytes", slot.nbytes)
+            self.pool.count("kept_bytes_total", slot.nbytes)
         elif restored is None:
             restored = self._restore(slot)
         elif slot.prefetched:
@@ -344,7 +344,7 @@ class Step:
             restored = self.copies.restore(slot.memory, slot.align)
         else:
             restored = self.copies.copy(slot.memory, slot.align)
-        self.pool.count("restored_bytes", slot.nbytes)
+        self.pool.count("restored_bytes_total", slot.nbytes)
         return restored
 
     def _prefetch(self, below: int) -> None:
@@ -361,7 +361,7 @@ class Step:
                 slot.restored = self._restore(slot)
                 slot.prefetched = True
                 self.outstanding += 1
-                self.pool.count("prefetched_bytes", slot.nbytes)
+                self.pool.count("prefetched_bytes_total", slot.nbytes)
             index -= 1
         self.cursor = index
 

@@ -46,8 +46,13 @@ class PoolFigures:
         raise NotImplementedError
 
     def count_unpooled(self, nbytes: int) -> None:
-        """Record bytes a layer on top of the pool had to allocate outside it."""
-        self.count("unpooled_bytes", nbytes)
+        """Record bytes one call of a layer on top of the pool had to allocate outside it:
+        ``unpooled_bytes_total`` adds them up over every call, ``unpooled_bytes_per_call`` is
+        the most one call allocated (what sits beside the pool at once, at most)."""
+        self.count("unpooled_bytes_total", nbytes)
+        with self._lock:
+            most = self._counts.get("unpooled_bytes_per_call", 0)
+            self._counts["unpooled_bytes_per_call"] = max(most, nbytes)
 
     def count(self, key: str, nbytes: int) -> None:
         """Add ``nbytes`` to the counter ``key`` of ``stats()`` (for layers built on the pool,
@@ -93,7 +98,8 @@ class PoolFigures:
             "peak_reserved_bytes": ledger.peak,
             "high_water_bytes": sum(b.data_memory.peak_size for b in list(self._blobs.values())),
             **ledger.snapshot(),
-            "unpooled_bytes": 0,
+            "unpooled_bytes_total": 0,
+            "unpooled_bytes_per_call": 0,
             **self._counts,
         }
 

@@ -120,7 +120,7 @@ def format_report(device: str, blobs: Mapping[str, Blob], stats: Mapping[str, in
         f"device->host {stats['device_to_host_bytes']:,} bytes"
     )
     extra = [
-        f"{key.removesuffix('_bytes').replace('_', ' ')} {value:,} bytes"
+        f"{key.replace('_bytes', '').replace('_', ' ')} {value:,} bytes"
         for key, value in stats.items()
         if key not in CORE_KEYS and value
     ]
