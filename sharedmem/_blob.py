@@ -67,6 +67,9 @@ class Blob:
         # Told before this blob takes another blob's memory (a pool refuses foreign memory
         # and forgets views it cached); may raise to refuse.
         self.on_share: Callable[[SyncedMemory], None] | None = None
+        # Changes whenever the blob is retyped or takes another memory: a cache of its views
+        # (the pool's fast path) compares one number instead of shape, dtype and memories.
+        self.stamp = 0
         self._data = SyncedMemory(nbytes, name=name, placement=placement)
         self._grad = SyncedMemory(nbytes, name=f"{name}.grad" if name else "", placement=placement)
 
@@ -104,11 +107,9 @@ class Blob:
         size = check_shape(shape)
         kind = check_dtype(dtype)
         nbytes = check_blob_nbytes(size, kind)
-        # An equal shape keeps its object: caches that recorded it (the pool's fast path)
-        # compare by identity to learn that nothing retyped the blob since.
-        if size != self._shape:
-            self._shape = size
-        self._dtype = kind
+        if size != self._shape or kind is not self._dtype:
+            self._shape, self._dtype = size, kind
+            self.stamp += 1
         self._data.set_size(nbytes)
         self._grad.set_size(nbytes)
         return self
@@ -120,6 +121,7 @@ class Blob:
     def _restore_typing(self, typing: tuple[torch.Size, torch.dtype, int, int]) -> None:
         # For a caller whose request failed (a refused growth): the blob is as it was.
         self._shape, self._dtype, data_size, grad_size = typing
+        self.stamp += 1
         self._data.set_size(data_size)
         self._grad.set_size(grad_size)
 
@@ -157,10 +159,12 @@ class Blob:
     def share_data(self, other: Blob) -> None:
         """Use ``other``'s data memory from now on (shapes and dtypes may differ)."""
         self._data = self._shared(other, "share_data")
+        self.stamp += 1
 
     def share_grad(self, other: Blob) -> None:
         """Use ``other``'s gradient memory from now on (shapes and dtypes may differ)."""
         self._grad = self._shared(other, "share_grad")
+        self.stamp += 1
 
     def _shared(self, other: object, verb: str) -> SyncedMemory:
         if not isinstance(other, Blob):

@@ -26,7 +26,7 @@ class _Cached:
     """What the fast path remembers of a name's last view, and the one check that it may be
     handed out again."""
 
-    __slots__ = ("blob", "dtype", "key", "memory", "shape", "version", "view")
+    __slots__ = ("blob", "dtype", "key", "memory", "stamp", "version", "view")
 
     def __init__(
         self,
@@ -38,24 +38,21 @@ class _Cached:
         version: int,
     ) -> None:
         self.key, self.dtype, self.blob, self.view = key, dtype, blob, view
-        self.memory, self.version, self.shape = memory, version, blob.shape
+        self.memory, self.version, self.stamp = memory, version, blob.stamp
 
     def serves(self, shape: object, dtype: torch.dtype) -> bool:
         """The cached view is what a request for ``shape`` and ``dtype`` would return now."""
-        blob = self.blob
+        key = self.key
         return (
             dtype is self.dtype
             and self.memory.version == self.version  # no growth, move, sync or release since
-            and blob.data_memory is self.memory  # not since left by share_data
-            # Not retyped since by anything else (the other fast path, blob(), reshape): a
-            # retype that changes the shape makes a new Size object.
-            and blob.shape is self.shape
-            and blob.dtype is dtype
+            # Not retyped since by anything else (the other fast path, blob(), reshape) and
+            # not moved to another memory by share_data.
+            and self.blob.stamp == self.stamp
             # The shape as asked for before, spelt alike and with int elements: (2.0, 3.0)
             # equals (2, 3) but is no shape, and must fail here as on the slow path. A key is
             # only ever kept as the caller's own object when it holds nothing mutable.
-            and type(shape) is type(self.key)
-            and (shape is self.key or (shape == self.key and _plain(shape)))
+            and (shape is key or (type(shape) is type(key) and shape == key and _plain(shape)))
         )
 
 
