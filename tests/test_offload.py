@@ -717,7 +717,7 @@ def test_two_threads_entering_one_object_at_once_are_told_apart(
     pool = sm.BufferPool("emulated")
     shared = sm.save_on_pool(pool, min_bytes=0)
     claimed, tried = threading.Event(), threading.Event()
-    real_step = offload.Step
+    real_step = offload.OffloadStep
     holder_errors: list[BaseException] = []
 
     def slow_step(*args: object, **kwargs: object) -> object:
@@ -735,7 +735,7 @@ def test_two_threads_entering_one_object_at_once_are_told_apart(
         except BaseException as error:  # reported by the main thread
             holder_errors.append(error)
 
-    monkeypatch.setattr(offload, "Step", slow_step)
+    monkeypatch.setattr(offload, "OffloadStep", slow_step)
     holder = threading.Thread(target=hold)
     holder.start()
     claimed.wait(10)

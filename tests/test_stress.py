@@ -24,7 +24,7 @@ from sharedmem._errors import OutOfMemoryError
 from sharedmem._pool import BufferPool
 from sharedmem._stress import StressConfig, StressResult, run_stress
 from sharedmem._stress._checks import StressFailure, check_pool
-from sharedmem._stress._exec import Executor, RoundSpec
+from sharedmem._stress._exec import OpRunner, RoundSpec
 from sharedmem._stress._faults import FAULT_KINDS, CorruptingBackend
 from sharedmem._stress._model import MemoryModel
 from sharedmem._stress._ops import DTYPES, KINDS, WHOLE, Op, describe
@@ -94,7 +94,7 @@ def machine_for(device: str, backend: str) -> type[RuleBasedStateMachine]:
 
         def __init__(self) -> None:
             super().__init__()
-            self.ex = Executor(RoundSpec(device, backend, NAMES, MAX_BYTES), NOISE)
+            self.ex = OpRunner(RoundSpec(device, backend, NAMES, MAX_BYTES), NOISE)
 
         def run(self, op: Op) -> None:
             self.ex.execute(op)
@@ -254,7 +254,7 @@ def test_a_logical_size_no_call_set_is_caught(device: str, threads: int, seed: i
 def test_the_model_allows_the_sizes_the_hot_path_may_leave() -> None:
     # pool.tensor on a cache hit leaves the gradient memory at the size another blob sharing
     # it set; on a miss it applies the blob's. Either is right; the model must accept both.
-    ex = Executor(RoundSpec("emulated", "reserved", ("a", "b"), 1 << 12), NOISE)
+    ex = OpRunner(RoundSpec("emulated", "reserved", ("a", "b"), 1 << 12), NOISE)
     for op in (
         Op("reshape", 0, shape=(100,)),
         Op("tensor", 0, stop=WHOLE),

@@ -27,7 +27,8 @@ import torch
 from torch._ops import OpOverload
 from torch.fx import GraphModule, Node
 
-from .graph import Buffer, Step, extent
+from .._layout import extent
+from .graph import Buffer, NodeRun, graph_outputs
 from .ops import Kind, fill_value
 
 __all__ = ["Runner", "generate"]
@@ -106,7 +107,7 @@ class _Emitter:
 
 def generate(
     gm: GraphModule,
-    steps: Sequence[Step],
+    steps: Sequence[NodeRun],
     slots: Sequence[str | None],
     slot_bytes: dict[str, int],
     device: torch.device,
@@ -144,7 +145,7 @@ def generate(
             em.names[node] = em.const(operator.attrgetter(str(node.target))(gm), "g")
             continue
         if node.op == "output":
-            body.append(f"return {em.arg(_output_list(node))}")
+            body.append(f"return {em.arg(graph_outputs(node))}")
             break
         body.append(f"{name} = {_expression(em, by_node[node], slots, device)}")
         if not any(u.op == "output" for u in node.users):
@@ -184,7 +185,9 @@ def _copy_out(t: torch.Tensor) -> torch.Tensor:
     return fresh.as_strided(t.shape, t.stride())
 
 
-def _expression(em: _Emitter, step: Step, slots: Sequence[str | None], device: torch.device) -> str:
+def _expression(
+    em: _Emitter, step: NodeRun, slots: Sequence[str | None], device: torch.device
+) -> str:
     node, rule = step.node, step.rule
     args: list[object] = list(node.args)
     kwargs: dict[str, object] = dict(node.kwargs)
@@ -223,11 +226,6 @@ def _mutates(node: Node) -> bool:
     return isinstance(target, OpOverload) and any(
         a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments
     )
-
-
-def _output_list(node: Node) -> list[object]:
-    (flat,) = node.args
-    return list(flat) if isinstance(flat, (list, tuple)) else [flat]
 
 
 def _zero_size(em: _Emitter, node: Node, k: int, device: torch.device) -> str:

@@ -11,21 +11,33 @@ signature traces, plans and generates code; later calls only look the signature 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .._backends import round_up
 from .._pool import BufferPool
 from .._validate import check_name
 from .binding import Binding, Place, State
 from .codegen import Runner, generate
-from .graph import BATCH_NORMS, analyse
-from .plan import PLANS, PlanSummary, assign_slots, merge
+from .graph import BATCH_NORMS, Analysis, analyse
+from .plan import PLANS, Lifetime, PlanSummary, assign_slots, merge
 from .trace import Leaves, Traced
 
 __all__ = ["Compiled", "Executor", "describe"]
+
+
+class SlotPlan(NamedTuple):
+    """Where a graph's planned intermediates live: a slot name per lifetime (``None`` for
+    results the caller keeps) and each slot's bytes."""
+
+    slots: list[str | None]
+    slot_bytes: dict[str, int]
+    lifetimes: list[Lifetime]  # of the planned values
+    joined: list[Lifetime]  # after merging in-place pairs
+    existing: dict[str, int]  # slot capacities before this plan
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,15 @@ class Compiled:
     # Inputs the graph changes in place (running statistics, num_batches_tracked): saved
     # before each call and put back if it fails, so a failed call leaves the model as it was.
     mutated: tuple[int, ...] = ()
+
+
+class Mode(NamedTuple):
+    """What changes the ops a trace records without changing any tensor (part of a
+    signature): the default dtype (factories) and autocast (casts, lower-precision ops)."""
+
+    default_dtype: torch.dtype
+    autocast: bool  # on the pool's device
+    autocast_dtypes: tuple[object, ...] = ()
 
 
 class Executor:
@@ -79,16 +100,14 @@ class Executor:
             assert state is not None, "a fresh binding matches the model"
         return binding, state
 
-    def _mode(self) -> tuple[object, ...]:
-        # What changes the ops a trace records without changing any tensor: the default
-        # dtype (factories) and autocast on the pool's device (casts, lower-precision ops).
+    def _mode(self) -> Mode:
         kind = self._device_type
-        mode = (torch.get_default_dtype(), torch.is_autocast_enabled(kind))
-        if mode[1]:
-            return (*mode, torch.get_autocast_dtype(kind))
+        default, autocast = torch.get_default_dtype(), torch.is_autocast_enabled(kind)
+        if autocast:
+            return Mode(default, True, (torch.get_autocast_dtype(kind),))
         if kind != "cpu" and torch.is_autocast_enabled("cpu"):  # CPU scalars of a GPU model
-            return (*mode, "cpu", torch.get_autocast_dtype("cpu"))
-        return mode
+            return Mode(default, False, ("cpu", torch.get_autocast_dtype("cpu")))
+        return Mode(default, False)
 
     def plan_summary(self) -> PlanSummary:
         """What the graph of the latest call asks of the pool, and what its plan saves."""
@@ -118,65 +137,83 @@ class Executor:
                 )
 
     def _build(
-        self, traced: Traced, outputs_in_pool: bool, label: str, n_data: int, autocast: bool
+        self, traced: Traced, *, label: str, n_data: int, autocast: bool, outputs_in_pool: bool
     ) -> Compiled:
+        """Plan ``traced``'s intermediates into pool slots and generate its runner.
+
+        Args:
+            traced: the traced graph.
+            label: the signature, for messages and the plan summary.
+            n_data: how many of the last placeholders are the call's inputs and targets.
+            autocast: traced under autocast (the runner then runs the recorded casts as they
+                are, with autocast off).
+            outputs_in_pool: the graph's outputs may be pool views (``pooled_forward``).
+        """
         gm = traced.gm
         analysis = analyse(gm, self.device)
-        # Results the caller keeps get fresh memory on each call; everything else is planned.
-        # Tensors written back to the module are kept by it: never pool views.
-        n_outputs = len(analysis.owned)
-        kept = frozenset().union(
-            *analysis.returned_by[0 if not outputs_in_pool else n_outputs - len(traced.stored) :]
-        )
-        planned = [i for i in range(len(analysis.lifetimes)) if i not in kept]
-        index = {life: k for k, life in enumerate(planned)}
-        pairs = [
-            (index[a], index[b])
-            for a, b in analysis.inplace
-            if self.plan == "liveness" and a in index and b in index
-        ]
-        lifetimes = [analysis.lifetimes[i] for i in planned]
-        joined, member = merge(lifetimes, pairs)
-        share = self.plan == "liveness"
-        existing = self._capacities()
-        names, need = assign_slots(joined, existing, share=share, prefix=self.prefix)
-        slots: list[str | None] = [None] * len(analysis.lifetimes)
-        for k, i in enumerate(planned):
-            slots[i] = names[member[k]]
-        # Whole multiples of 16 bytes, so a slot's bytes view as any dtype.
-        slot_bytes = {name: -(-n // 16) * 16 for name, n in need.items()}
-        for name, nbytes in slot_bytes.items():
+        plan = self._plan(analysis, traced, outputs_in_pool)
+        for name, nbytes in plan.slot_bytes.items():
             # Grow now, once: views fetched during a call then never see a growth.
             self.pool.tensor(name, (nbytes,), torch.uint8)
         placeholders = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
         # Inputs (and targets) may be views into these very slots: the runner copies those.
         guarded = range(placeholders - n_data, placeholders)
         runner, source = generate(
-            gm, analysis.steps, slots, slot_bytes, self.device, label, guarded
-        )
-        alone = assign_slots(joined, {}, share=share, prefix=self.prefix)[1]
-        summary = PlanSummary(
-            plan=self.plan,
-            signature=label,
-            nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
-            pooled_values=len(planned),
-            slots=len(alone),
-            pooled_bytes=sum(alone.values()),
-            per_node_bytes=sum(life.nbytes for life in lifetimes),
-            added_bytes=sum(max(0, n - existing.get(name, 0)) for name, n in slot_bytes.items()),
-            unpooled_bytes=analysis.unpooled_bytes,
-            unpooled_ops=analysis.unpooled_ops,
+            gm, analysis.steps, plan.slots, plan.slot_bytes, self.device, label, guarded
         )
         return Compiled(
             runner,
             source,
-            summary,
+            self._summary(gm, analysis, plan, label),
             analysis.owned,
             analysis.unpooled_bytes,
             traced.stored,
             autocast,
             traced.spec,
             mutated_inputs(gm),
+        )
+
+    def _plan(self, analysis: Analysis, traced: Traced, outputs_in_pool: bool) -> SlotPlan:
+        # Results the caller keeps get fresh memory on each call; everything else is planned.
+        # Tensors written back to the module are kept by it: never pool views.
+        n_outputs = len(analysis.owned)
+        first_kept = 0 if not outputs_in_pool else n_outputs - len(traced.stored)
+        kept = frozenset().union(*analysis.returned_by[first_kept:])
+        planned = [i for i in range(len(analysis.lifetimes)) if i not in kept]
+        index = {life: k for k, life in enumerate(planned)}
+        share = self.plan == "liveness"
+        pairs = [
+            (index[a], index[b]) for a, b in analysis.inplace if share and a in index and b in index
+        ]
+        lifetimes = [analysis.lifetimes[i] for i in planned]
+        joined, member = merge(lifetimes, pairs)
+        existing = self._capacities()
+        names, need = assign_slots(joined, existing, share=share, prefix=self.prefix)
+        slots: list[str | None] = [None] * len(analysis.lifetimes)
+        for k, i in enumerate(planned):
+            slots[i] = names[member[k]]
+        # Whole multiples of 16 bytes, so a slot's bytes view as any dtype.
+        slot_bytes = {name: round_up(n, 16) for name, n in need.items()}
+        return SlotPlan(slots, slot_bytes, lifetimes, joined, existing)
+
+    def _summary(
+        self, gm: torch.fx.GraphModule, analysis: Analysis, plan: SlotPlan, label: str
+    ) -> PlanSummary:
+        share = self.plan == "liveness"
+        alone = assign_slots(plan.joined, {}, share=share, prefix=self.prefix)[1]
+        return PlanSummary(
+            plan=self.plan,
+            signature=label,
+            nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
+            pooled_values=len(plan.lifetimes),
+            slots=len(alone),
+            pooled_bytes=sum(alone.values()),
+            per_node_bytes=sum(life.nbytes for life in plan.lifetimes),
+            added_bytes=sum(
+                max(0, n - plan.existing.get(name, 0)) for name, n in plan.slot_bytes.items()
+            ),
+            unpooled_bytes=analysis.unpooled_bytes,
+            unpooled_ops=analysis.unpooled_ops,
         )
 
     def _capacities(self) -> dict[str, int]:

@@ -23,12 +23,13 @@ from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._errors import SharedMemError
+from .._layout import extent
 from .ops import Kind, OpRule, rule_for
 from .plan import Lifetime
 
 aten = torch.ops.aten
 
-__all__ = ["Analysis", "Buffer", "Step", "analyse", "extent", "op_name"]
+__all__ = ["BATCH_NORMS", "Analysis", "Buffer", "NodeRun", "analyse", "graph_outputs", "op_name"]
 
 _PLAIN = OpRule(Kind.PLAIN)
 _ALIAS = OpRule(Kind.ALIAS)
@@ -45,7 +46,7 @@ class Buffer:
 
 
 @dataclass(frozen=True)
-class Step:
+class NodeRun:
     """One ``call_function`` node, how it runs, and its pooled results.
 
     ``buffers`` has one entry per result for pooled kinds; an entry is ``None`` for a result
@@ -77,7 +78,7 @@ class Analysis:
         unpooled_ops: the ops that allocate them.
     """
 
-    steps: list[Step]
+    steps: list[NodeRun]
     lifetimes: list[Lifetime]
     returned: frozenset[int]
     returned_by: tuple[frozenset[int], ...]
@@ -97,14 +98,6 @@ def _results(node: Node) -> list[object]:
     return list(val) if isinstance(val, (tuple, list)) else [val]
 
 
-def extent(t: torch.Tensor) -> int:
-    """Bytes from the first element of ``t`` to one past its last (0 when it is empty)."""
-    if t.numel() == 0:
-        return 0
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size()
-
-
 def analyse(gm: GraphModule, device: torch.device) -> Analysis:
     """Decide how each node runs on ``device`` and when each pooled result dies."""
     nodes = list(gm.graph.nodes)
@@ -114,7 +107,7 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
     storages: dict[Node, set[StorageWeakRef]] = {}
     owner: dict[StorageWeakRef, int] = {}  # storage of a pooled result -> its lifetime index
     starts: list[tuple[int, int]] = []  # (nbytes, start) per lifetime
-    steps: list[Step] = []
+    steps: list[NodeRun] = []
     plain: list[tuple[StorageWeakRef, int, str]] = []  # fresh results of PLAIN ops
     for i, node in enumerate(nodes):
         results = [r for r in _results(node) if isinstance(r, torch.Tensor)]
@@ -138,14 +131,14 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
                 for r, key in zip(results, keys, strict=True):
                     if key not in seen:
                         plain.append((key, extent(r), op_name(node.target)))
-                steps.append(Step(node, i, rule))
+                steps.append(NodeRun(node, i, rule))
             elif rule.kind is Kind.ALIAS:
                 if not set(keys) <= seen:
                     # A view whose fake result did not share its input's storage: assume it
                     # aliases every input, which can only make lifetimes longer.
                     for used in node.all_input_nodes:
                         storages[node] |= storages[used]
-                steps.append(Step(node, i, rule))
+                steps.append(NodeRun(node, i, rule))
             else:
                 buffers = tuple(_buffer(r) for r in _results(node))  # type: ignore[arg-type]
                 ids = []
@@ -154,7 +147,7 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
                     if buffer is not None:
                         owner[key] = len(starts)
                         starts.append((buffer.nbytes, i))
-                steps.append(Step(node, i, rule, buffers, tuple(ids)))
+                steps.append(NodeRun(node, i, rule, buffers, tuple(ids)))
         elif node.op in ("placeholder", "get_attr"):
             inputs.update(keys)
         elif node.op != "output":
@@ -169,7 +162,7 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
                 if key in owner:
                     ends[owner[key]] = max(ends[owner[key]], position[node])
     lifetimes = [Lifetime(n, s, e) for (n, s), e in zip(starts, ends, strict=True)]
-    outputs = _outputs(nodes[-1])
+    outputs = graph_outputs(nodes[-1])
     out_keys = [storages[o] if isinstance(o, Node) else set() for o in outputs]
     everything = [k for keys in out_keys for k in keys]
     returned = frozenset(owner[k] for k in everything if k in owner)
@@ -191,7 +184,7 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
 
 
 def _inplace(
-    steps: list[Step],
+    steps: list[NodeRun],
     storages: dict[Node, set[StorageWeakRef]],
     owner: dict[StorageWeakRef, int],
     ends: list[int],
@@ -236,7 +229,8 @@ def _layout_of(buffer: Buffer) -> tuple[object, ...]:
     return (buffer.size, buffer.stride, buffer.dtype, 0)
 
 
-def _outputs(output: Node) -> list[object]:
+def graph_outputs(output: Node) -> list[object]:
+    """The values the graph's ``output`` node returns, as a list."""
     (flat,) = output.args
     return list(flat) if isinstance(flat, (list, tuple)) else [flat]
 

@@ -49,7 +49,9 @@ class PooledTrainStep(Executor):
             traced = trace_train(self.model, self.loss_fn, binding, state, x, y)
             label = describe("train step", x, y)
             n_data = len(x.tensors) + len(y.tensors)
-            compiled = self._build(traced, False, label, n_data, bool(mode[1]))
+            compiled = self._build(
+                traced, label=label, n_data=n_data, autocast=mode.autocast, outputs_in_pool=False
+            )
             self._cache[key] = compiled
         flat = [*state.params, *state.buffers, *x.tensors, *y.tensors]
         loss, *grads = self._run(compiled, binding, flat)
@@ -101,7 +103,13 @@ class PooledForward(Executor):
             traced = trace_forward(self.model, binding, state, x)
             label = describe("train-mode forward" if self.model.training else "forward", x)
             n_data = len(x.tensors)
-            compiled = self._build(traced, self.outputs_in_pool, label, n_data, bool(mode[1]))
+            compiled = self._build(
+                traced,
+                label=label,
+                n_data=n_data,
+                autocast=mode.autocast,
+                outputs_in_pool=self.outputs_in_pool,
+            )
             self._cache[key] = compiled
         outputs = self._run(compiled, binding, [*state.params, *state.buffers, *x.tensors])
         assert compiled.out_spec is not None

@@ -9,11 +9,12 @@ from typing import Any
 import torch
 
 from .._errors import SharedMemError
+from .._layout import extent
 from .._pool import BufferPool
 from .._validate import _SUPPORTED_DTYPES, check_nbytes
 from .copies import copies_for
 from .names import names_of
-from .step import Saved, Step
+from .step import OffloadStep, Saved
 
 __all__ = ["save_on_pool"]
 
@@ -29,16 +30,6 @@ _COUNTERS = (
 )
 
 _active = threading.local()  # the save_on_pool active in this thread, if any
-
-
-def _span_bytes(tensor: torch.Tensor) -> int:
-    """Bytes from the first element to the last, inclusive (strides are never negative)."""
-    if tensor.numel() == 0:
-        return 0
-    last = sum(
-        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-    )
-    return (last + 1) * tensor.element_size()
 
 
 class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
@@ -166,7 +157,7 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
         # pack hook (also run by autograd's device threads) may start the next step.
         self._lock = threading.Lock()
         self._owner: int | None = None
-        self._step: Step | None = None
+        self._step: OffloadStep | None = None
         for key in _COUNTERS:
             pool.count(key, 0)  # the keys are in stats() from the start
         super().__init__(self._pack, _unpack)
@@ -202,14 +193,14 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
             if step is not None:
                 step.close()  # the step lives on in the handles autograd holds
 
-    def _leave(self) -> Step | None:
+    def _leave(self) -> OffloadStep | None:
         with self._lock:
             step, self._step, self._owner = self._step, None, None
         _active.hooks = None
         return step
 
-    def _new_step(self) -> Step:
-        return Step(
+    def _new_step(self) -> OffloadStep:
+        return OffloadStep(
             self._pool,
             self._names,
             self._copies,
@@ -218,7 +209,7 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
             window=_WINDOW,
         )
 
-    def _current_step(self) -> Step | None:
+    def _current_step(self) -> OffloadStep | None:
         """The step a save belongs to: a new one when the last forward is over."""
         with self._lock:
             step = self._step
@@ -231,7 +222,7 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
             return step
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        nbytes = _span_bytes(tensor) if self._eligible(tensor) else 0
+        nbytes = extent(tensor) if self._eligible(tensor) else 0
         step = self._current_step() if nbytes >= max(self._min_bytes, 1) else None
         if step is None:
             # Left alone. Detached so that the handle does not hold the tensor's own graph

@@ -37,7 +37,7 @@ from .._synced import Head, SyncedMemory
 from .copies import ALIGN, EngineCopies, Restored
 from .names import Names
 
-__all__ = ["Saved", "Slot", "Step"]
+__all__ = ["OffloadStep", "Saved", "Slot"]
 
 _T = TypeVar("_T")
 
@@ -47,7 +47,7 @@ class Slot:
 
     def __init__(
         self,
-        step: Step,
+        step: OffloadStep,
         index: int,
         name: str,
         key: tuple[int, int],
@@ -147,7 +147,7 @@ class Saved:
         self.slot.step.dropped(self.slot, self.unpacked_pass)
 
 
-class Step:
+class OffloadStep:
     """The slots of one forward under ``save_on_pool``, in the order they were saved.
 
     A block holds one step per forward: a forward that starts after a backward (a training

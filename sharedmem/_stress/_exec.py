@@ -37,7 +37,7 @@ from ._judge import Judge, caps
 from ._model import MemoryModel, PoolModel
 from ._ops import Op
 
-__all__ = ["Executor", "RoundSpec"]
+__all__ = ["OpRunner", "RoundSpec"]
 
 _ACCESS: dict[tuple[bool, str, bool], Callable[[Blob], torch.Tensor]] = {
     (False, "device", False): Blob.data,
@@ -66,7 +66,7 @@ def _as_bytes(view: torch.Tensor) -> torch.Tensor:
     return view.reshape(-1).view(torch.uint8)
 
 
-class Executor:
+class OpRunner:
     """A pool and its model, driven through the same operations.
 
     Args:

@@ -16,7 +16,7 @@ from .._backends import backend_names
 from .._devices import normalize_device
 from ._checks import StressFailure
 from ._config import Failure, StressConfig, StressResult
-from ._exec import Executor, RoundSpec
+from ._exec import OpRunner, RoundSpec
 from ._faults import CorruptingBackend
 from ._gen import Generator
 from ._ops import Op, describe
@@ -76,7 +76,7 @@ class Run:
         c = self.config
         return RoundSpec(self.device, backend, names, c.max_bytes, c.limit)
 
-    def executor(self, spec: RoundSpec) -> Executor:
+    def executor(self, spec: RoundSpec) -> OpRunner:
         # An executor and its pool form reference cycles, so finished rounds wait for the
         # cyclic collector, each holding a large reserved address range per buffer side;
         # collect now and then so that a long run never runs short of address space.
@@ -84,10 +84,10 @@ class Run:
         if self.executors % 16 == 0:
             gc.collect()
         extra = (CorruptingBackend,) if self.config.self_check else ()
-        return Executor(spec, self.noise, (*self.config.adaptors, *extra))
+        return OpRunner(spec, self.noise, (*self.config.adaptors, *extra))
 
     def generator(
-        self, ex: Executor, round_: int, worker: int, blobs: Sequence[int], private: Sequence[int]
+        self, ex: OpRunner, round_: int, worker: int, blobs: Sequence[int], private: Sequence[int]
     ) -> Generator:
         c = self.config
         return Generator(
