@@ -14,6 +14,7 @@ import gc
 import io
 import weakref
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import pytest
@@ -34,14 +35,15 @@ def on_gpu(test: F) -> F:
 
 
 def cuda_modules() -> Any:
-    """sharedmem's CUDA helpers, or a skip where cuda-python cannot be imported."""
-    from sharedmem._backends import cuda
+    """sharedmem's CUDA helpers and backend chooser in one namespace, or a skip where
+    cuda-python cannot be imported."""
+    from sharedmem._backends import cuda, cuda_api
 
     try:
-        cuda.bindings()
+        cuda_api.bindings()
     except sm.SharedMemError as error:
         pytest.skip(str(error))
-    return cuda
+    return SimpleNamespace(**{**vars(cuda_api), **vars(cuda)})
 
 
 # ---- on a GPU ------------------------------------------------------------------------------

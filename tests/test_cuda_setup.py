@@ -30,14 +30,15 @@ PAGE = mmap.PAGESIZE
 
 
 def cuda_modules() -> Any:
-    """sharedmem's CUDA helpers, or a skip where cuda-python cannot be imported."""
-    from sharedmem._backends import cuda
+    """sharedmem's CUDA helpers and backend chooser in one namespace, or a skip where
+    cuda-python cannot be imported."""
+    from sharedmem._backends import cuda, cuda_api
 
     try:
-        cuda.bindings()
+        cuda_api.bindings()
     except sm.SharedMemError as error:
         pytest.skip(str(error))
-    return cuda
+    return SimpleNamespace(**{**vars(cuda_api), **vars(cuda)})
 
 
 # ---- without a GPU -------------------------------------------------------------------------
@@ -151,9 +152,9 @@ def versions_runtime(count_error: str, driver_version: int) -> SimpleNamespace:
 
 @pytest.fixture
 def fresh_cuda_checks() -> Iterator[Any]:
-    """The CUDA module with its once-per-process checks forgotten before and after."""
-    cuda = cuda_modules()
-    from sharedmem._backends import cudart
+    """The CUDA backend chooser with its once-per-process checks forgotten before and after."""
+    cuda_modules()  # skips where cuda-python cannot be imported
+    from sharedmem._backends import cuda, cudart
 
     def forget() -> None:
         for cached in (cudart.runtime_problem, cuda.default_backend, cuda._host_backend):

@@ -8,12 +8,11 @@ side is the host memory itself).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from .._devices import normalize_device
-from ._base import Backend, Block, Fence, rewindow, round_up
+from ._base import Backend, Block, Fence, Placement, rewindow, round_up
 from .emulated import EmulatedPageable, EmulatedReserved
 from .host import PageableBackend, ReservedBackend
 
@@ -34,27 +33,6 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "emulated": ("reserved", "pageable"),
     "cuda": ("vmm", "cudart", "torch"),
 }
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a memory's two sides live.
-
-    Attributes:
-        device: the canonical device string.
-        host: the host side's backend.
-        accel: the device side's backend, or ``None`` when the device side is the host
-            memory (``cpu``): one memory, no copies.
-    """
-
-    device: str
-    host: Backend
-    accel: Backend | None
-
-    @property
-    def device_backend(self) -> Backend:
-        """The backend that serves device-side accesses (the host one on ``cpu``)."""
-        return self.host if self.accel is None else self.accel
 
 
 def backend_names(device: object) -> tuple[str, ...]:

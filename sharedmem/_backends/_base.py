@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Backend", "Block", "Fence", "MovingBackend", "rewindow", "round_up"]
+__all__ = ["Backend", "Block", "Fence", "MovingBackend", "Placement", "rewindow", "round_up"]
 
 
 class Fence(Protocol):
@@ -221,3 +221,24 @@ class MovingBackend(Backend):
 
     def _free(self, block: Block) -> None:
         pass  # the tensor returns to its allocator when the last view of it is gone
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a memory's two sides live.
+
+    Attributes:
+        device: the canonical device string.
+        host: the host side's backend.
+        accel: the device side's backend, or ``None`` when the device side is the host
+            memory (``cpu``): one memory, no copies.
+    """
+
+    device: str
+    host: Backend
+    accel: Backend | None
+
+    @property
+    def device_backend(self) -> Backend:
+        """The backend that serves device-side accesses (the host one on ``cpu``)."""
+        return self.host if self.accel is None else self.accel

@@ -5,8 +5,9 @@ importing sharedmem and using ``cpu`` or ``emulated`` never touches CUDA.
 
 The CUDA modules, one responsibility each:
 
-* here: choosing the backends of a device, loading cuda-python (12.x and 13.x), checking its
-  ``(error, value)`` results, making a device's context current;
+* here: choosing the backends of a device;
+* ``cuda_api``: loading cuda-python (12.x and 13.x), checking its ``(error, value)`` results,
+  making a device's context current;
 * ``cuda_owner``: lifetime (bytes freed when their last view is gone), out of memory;
 * ``cuda_streams``: copies between the sides on streams, fenced by events;
 * ``cuda_vmm``, ``cudart``, ``cuda_torch``: the three device backends;
@@ -29,177 +30,13 @@ runtime, so the host side works wherever PyTorch does.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
-
-import torch
 
 from .._errors import SharedMemError
+from ._base import Backend, Placement
+from .cuda_api import device_index, vmm_supported
 
-if TYPE_CHECKING:
-    from . import Placement
-    from ._base import Backend
-
-__all__ = [
-    "MATCH_ADVICE",
-    "DeviceOutOfMemory",
-    "attribute",
-    "bindings",
-    "check",
-    "default_backend",
-    "device_index",
-    "error_name",
-    "on_device",
-    "placement",
-    "usable_backends",
-    "vmm_supported",
-]
-
-# The error codes that mean "no memory" in the driver and the runtime API.
-_OOM_NAMES = frozenset({"CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation"})
-# The codes that mean this installation cannot do it at all: a driver older than the CUDA that
-# cuda-python brings, no device, a stub library. Nothing sharedmem did wrong.
-_SETUP_NAMES = frozenset(
-    {
-        "cudaErrorInsufficientDriver",
-        "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
-        "cudaErrorSystemDriverMismatch",
-        "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE",
-        "cudaErrorCompatNotSupportedOnDevice",
-        "cudaErrorCallRequiresNewerDriver",
-        "CUDA_ERROR_NO_DEVICE",
-        "cudaErrorNoDevice",
-        "CUDA_ERROR_STUB_LIBRARY",
-        "cudaErrorStubLibrary",
-        "CUDA_ERROR_NOT_SUPPORTED",
-        "cudaErrorNotSupported",
-    }
-)
-# What to do when cuda-python and the driver do not match.
-MATCH_ADVICE = (
-    "Install the cuda-python that matches the driver (pip install 'cuda-python<13' for a "
-    "driver older than 580, the CUDA 12 ones), or upgrade the driver"
-)
-
-
-class DeviceOutOfMemory(Exception):
-    """A CUDA call ran out of memory; ``retry_on_oom`` turns it into ``OutOfMemoryError``."""
-
-
-# ---- cuda-python --------------------------------------------------------------------------
-
-
-@functools.cache
-def bindings() -> SimpleNamespace:
-    """cuda-python's ``driver`` and ``runtime`` modules (12.x and 13.x import paths)."""
-    try:
-        from cuda.bindings import driver, runtime
-    except ImportError as new_path:
-        try:  # cuda-python before 12.6 named them cuda.cuda and cuda.cudart
-            from cuda import cuda as driver
-            from cuda import cudart as runtime
-        except ImportError:
-            raise SharedMemError(
-                f"sharedmem: cuda-python cannot be imported ({new_path}); the 'vmm' and "
-                "'cudart' backends and pinned host growth need it. Install the cuda-python "
-                "that matches your driver (pip install 'cuda-python<13' for a driver older "
-                "than 580, 'cuda-python>=13' otherwise), or use backend='torch'."
-            ) from None
-    return SimpleNamespace(driver=driver, runtime=runtime)
-
-
-def error_name(error: Any) -> str:
-    """The name of a cuda-python error code (``CUDA_ERROR_OUT_OF_MEMORY``)."""
-    return str(getattr(error, "name", error))
-
-
-def check(result: tuple[Any, ...], what: str) -> Any:
-    """The value of a cuda-python call's ``(error, value...)`` tuple; raises on an error.
-
-    Raises ``DeviceOutOfMemory`` for the out-of-memory codes and ``SharedMemError`` otherwise.
-    """
-    error = result[0]
-    if int(error) != 0:
-        name = error_name(error)
-        if name in _OOM_NAMES:
-            raise DeviceOutOfMemory(f"{what}: {name}")
-        if name in _SETUP_NAMES:
-            raise SharedMemError(
-                f"sharedmem: {what} failed with {name} ({int(error)}): this CUDA installation "
-                "cannot do it (the driver, cuda-python and the device must fit together). "
-                f"{MATCH_ADVICE}; or use backend='torch'."
-            )
-        raise SharedMemError(
-            f"sharedmem: {what} failed with {name} ({int(error)}). An earlier fault on the "
-            "device (an illegal memory access in any kernel) makes every later call fail; if "
-            "the device is healthy, please report this to sharedmem with this message."
-        )
-    if len(result) == 1:
-        return None
-    return result[1] if len(result) == 2 else result[1:]
-
-
-def device_index(device: str) -> int:
-    """The N of ``"cuda:N"``."""
-    kind, _, index = device.partition(":")
-    assert kind == "cuda" and index.isdigit(), device
-    return int(index)
-
-
-@functools.cache
-def _device_handle(index: int) -> Any:
-    driver = bindings().driver
-    try:
-        check(driver.cuInit(0), "cuInit")
-        return check(driver.cuDeviceGet(index), f"cuDeviceGet({index})")
-    except RuntimeError as error:  # the driver library itself cannot be loaded
-        raise SharedMemError(
-            f"sharedmem: cuda-python cannot reach the CUDA driver ({error}); use "
-            "backend='torch', or install a cuda-python that matches the driver."
-        ) from None
-
-
-@functools.cache
-def _primary_context(index: int) -> Any:
-    # Retained once and never released: it is the context PyTorch uses too, alive as long
-    # as the process.
-    driver = bindings().driver
-    return check(driver.cuDevicePrimaryCtxRetain(_device_handle(index)), "cuDevicePrimaryCtxRetain")
-
-
-def attribute(index: int, name: str) -> int:
-    """A ``CU_DEVICE_ATTRIBUTE_*`` of device ``index``."""
-    driver = bindings().driver
-    which = getattr(driver.CUdevice_attribute, name, None)
-    if which is None:  # an older cuda-python that does not know the attribute
-        raise SharedMemError(f"sharedmem: this cuda-python does not know {name}; upgrade it")
-    return int(check(driver.cuDeviceGetAttribute(which, _device_handle(index)), name))
-
-
-def vmm_supported(index: int) -> bool:
-    """Whether device ``index`` supports CUDA virtual memory management (cuMemCreate/Map)."""
-    return attribute(index, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED") != 0
-
-
-@contextlib.contextmanager
-def on_device(index: int) -> Iterator[None]:
-    """Run the block with device ``index`` current, for PyTorch and for the driver.
-
-    ``torch.cuda.device`` alone does not make a context current when the device equals the
-    current one and nothing has used it yet; pushing the primary context does, and the
-    runtime API (cuda-python's included) picks up the context current to the thread.
-    """
-    driver = bindings().driver
-    context = _primary_context(index)
-    with torch.cuda.device(index):
-        check(driver.cuCtxPushCurrent(context), "cuCtxPushCurrent")
-        try:
-            yield
-        finally:
-            driver.cuCtxPopCurrent()
+__all__ = ["default_backend", "placement", "usable_backends"]
 
 
 # ---- choosing the backends of a device ----------------------------------------------------------
@@ -268,8 +105,6 @@ def placement(device: str, backend: str | None) -> Placement:
     Backends are shared per device, so every memory on ``cuda:N`` with the same backend name
     (given or default) has the same placement.
     """
-    from . import Placement
-
     index = device_index(device)
     kind = backend or default_backend(index)
     return Placement(device, _host_backend(index), _device_backend(index, kind))

@@ -37,7 +37,7 @@ from typing import TypeVar
 import torch
 
 from .._errors import OutOfMemoryError, SharedMemError
-from .cuda import DeviceOutOfMemory, device_index
+from .cuda_api import DeviceOutOfMemory, device_index
 
 __all__ = ["Meter", "Owner", "out_of_memory", "reclaim", "retry_on_oom", "run_pending"]
 

@@ -44,7 +44,7 @@ import torch
 
 from .._errors import OutOfMemoryError, SharedMemError
 from ._base import Block, MovingBackend, rewindow
-from .cuda import DeviceOutOfMemory, bindings, check, on_device
+from .cuda_api import DeviceOutOfMemory, bindings, check, on_device
 from .cuda_owner import Meter, reclaim
 from .host import ReservedBackend, check_committable, window
 

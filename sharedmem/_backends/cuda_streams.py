@@ -16,7 +16,7 @@ import threading
 import torch
 
 from ._base import Backend
-from .cuda import device_index
+from .cuda_api import device_index
 
 __all__ = ["CudaBackend", "EventFence", "side_stream"]
 

@@ -38,7 +38,7 @@ import torch
 
 from .._errors import SharedMemError
 from ._base import Block, rewindow, round_up
-from .cuda import DeviceOutOfMemory, bindings, check, device_index, error_name, on_device
+from .cuda_api import DeviceOutOfMemory, bindings, check, device_index, error_name, on_device
 from .cuda_owner import Meter, Owner, retry_on_oom
 from .cuda_streams import CudaBackend
 

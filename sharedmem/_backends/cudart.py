@@ -26,7 +26,7 @@ from typing import Any
 
 from .._errors import SharedMemError
 from ._base import Block
-from .cuda import MATCH_ADVICE, bindings, check, error_name, on_device
+from .cuda_api import MATCH_ADVICE, bindings, check, error_name, on_device
 from .cuda_owner import Meter, Owner, retry_on_oom
 from .cuda_streams import CudaBackend
 
