@@ -403,8 +403,10 @@ def test_unsupported_ops_raise_naming_the_op() -> None:
             return x[x > 0].sum() * x
 
     fwd = sm.pooled_forward(DataDependent(), pool=sm.BufferPool())
-    with pytest.raises(sm.SharedMemError, match=r"sharedmem: aten\.\w+.* is not supported"):
+    with pytest.raises(sm.SharedMemError, match=r"sharedmem: aten\.\w+.* is not supported") as e:
         fwd(torch.randn(4))
+    # It names the model's source line, as errors raised while tracing do.
+    assert "test_executor.py:" in str(e.value) and "return x[x > 0].sum() * x" in str(e.value)
 
     class Item(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ contiguous, and otherwise allocates as it does in eager.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +117,9 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
                 raise SharedMemError(
                     f"sharedmem: {op_name(node.target)} is not supported by the pooled "
                     "executor: the shape of its result depends on tensor data, which a trace "
-                    "cannot fix"
+                    f"cannot fix{where(node)}. Compute it outside the model (a boolean mask "
+                    "index, nonzero, unique ...) or use a form of fixed shape (torch.where, "
+                    "masked_fill)"
                 )
             if r.layout != torch.strided:
                 raise SharedMemError(
@@ -227,6 +230,17 @@ def _layout(node: Node) -> tuple[object, ...]:
 
 def _layout_of(buffer: Buffer) -> tuple[object, ...]:
     return (buffer.size, buffer.stride, buffer.dtype, 0)
+
+
+def where(node: Node) -> str:
+    """Where the model's code made ``node``: '; at model.py:12, in forward: y = x[mask]'."""
+    frames = re.findall(
+        r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', node.meta.get("stack_trace") or ""
+    )
+    if not frames:
+        return ""
+    filename, line, function, code = frames[-1]
+    return f"; at {filename}:{line}, in {function}: {code.strip()}"
 
 
 def graph_outputs(output: Node) -> list[object]:
