@@ -23,11 +23,11 @@ import weakref
 
 import torch
 
-from ._backends import Placement, backend_names, resolve
+from ._backends import Fence, Placement, resolve
+from ._copying import reduce_memory, refuse_shallow_copy
 from ._devices import DeviceLike
 from ._side import Side
-from ._synced_copies import ExternalCopies
-from ._validate import check_nbytes
+from ._validate import check_byte_tensor, check_nbytes
 
 __all__ = ["Head", "SyncedMemory"]
 
@@ -44,19 +44,6 @@ def _forget_sides(sides: tuple[Side, ...]) -> None:
             side.block = None
 
 
-def _rebuild_memory(
-    size: int, device: str, backend: str, name: str, content: torch.Tensor
-) -> SyncedMemory:
-    """A memory like the pickled one: its size and the bytes it had written below it."""
-    # The default backend where the pickled one does not exist here (vmm on another GPU, say).
-    chosen = backend if backend in backend_names(device) else None
-    memory = SyncedMemory(max(size, content.numel()), device=device, backend=chosen, name=name)
-    if content.numel():
-        memory.mutable_host_data()[: content.numel()].copy_(content)
-    memory.set_size(size)
-    return memory
-
-
 class Head(enum.Enum):
     """Which side of a SyncedMemory holds the newest bytes."""
 
@@ -66,7 +53,7 @@ class Head(enum.Enum):
     SYNCED = "synced"  # both sides hold every newest byte
 
 
-class SyncedMemory(ExternalCopies):
+class SyncedMemory:
     """A grow-only block of bytes with a host side and a device side.
 
     Each side is allocated on its first access and grown only when an access needs more bytes
@@ -173,26 +160,13 @@ class SyncedMemory(ExternalCopies):
         extra = 0 if self._device is self._host else self._device.capacity
         return self._host.capacity + extra
 
-    # ---- copies of the object -----------------------------------------------------------
+    # ---- copies of the object (see _copying) ---------------------------------------------
 
     def __copy__(self) -> SyncedMemory:
-        # A shallow copy would share both sides: release() of one would empty the other while
-        # it still claims to hold the bytes.
-        raise TypeError(
-            "sharedmem: a SyncedMemory cannot be shallow-copied (the copy would share its "
-            "memory); use copy.deepcopy(memory) for an independent memory with the same bytes"
-        )
+        return refuse_shallow_copy(self)
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        # Pickle and deepcopy: an independent memory on the same device, with the bytes below
-        # the current size (a pool's accounting does not travel: the copy is a plain memory).
-        with self._lock:
-            known = min(self._size, self._written)
-            content = (
-                self.host_data()[:known].clone() if known else torch.zeros(0, dtype=torch.uint8)
-            )
-        backend = self._placement.device_backend.kind
-        return (_rebuild_memory, (self._size, self.device, backend, self.name, content))
+        return reduce_memory(self)
 
     def __repr__(self) -> str:
         label = f"{self.name!r}, " if self.name else ""
@@ -277,6 +251,49 @@ class SyncedMemory(ExternalCopies):
             return
         with self._lock:
             self._to_host(min(self._size, self._written), stream=stream, asynchronous=True)
+
+    # Copies between the host side and device tensors outside the memory (activation offload):
+    # the bytes come from or go to a tensor the memory does not own, while this state machine
+    # keeps track of the copy in flight like its own.
+
+    def download_async(self, source: torch.Tensor, stream: object = None) -> Fence | None:
+        """Like ``pull_async``, from ``source`` (1-D uint8, ``size`` device bytes outside this
+        memory) into the host side, which becomes the head as after a host write. Returns the
+        copy's fence, or ``None`` once done (always on ``cpu``); keep ``source`` till then."""
+        check_byte_tensor(source, self._size, "source")
+        with self._lock:
+            self._to_host(self._written)  # as mutable_host_data: the head holds every byte
+            self._host.settle()  # a copy still reading these bytes finishes before we write
+            target = self._host.view(self._size)
+            self._wrote(self._host)
+            if self._device is self._host:
+                target.copy_(source)
+                return None
+            backend = self._device.backend
+            fence = backend.download(target, source, stream=stream, asynchronous=True)
+            self._host.fence = fence
+            self.device_to_host_bytes += self._size
+            self._touch()  # a copy in flight: a cached view must not skip waiting for it
+            return fence
+
+    def upload_async(self, target: torch.Tensor, stream: object = None) -> Fence | None:
+        """Like ``push_async``, from the host side into ``target`` (1-D uint8, ``size`` device
+        bytes outside this memory). Returns the fence its reader waits on, or ``None`` once
+        done (always on ``cpu``); host writes and growth wait for the copy."""
+        check_byte_tensor(target, self._size, "target")
+        with self._lock:
+            self._to_host(min(self._size, self._written))
+            self._host.settle()
+            source = self._host.view(self._size)
+            if self._device is self._host:
+                target.copy_(source)
+                return None
+            backend = self._device.backend
+            fence = backend.upload(target, source, stream=stream, asynchronous=True)
+            self._host.fence = fence  # the copy reads the host bytes
+            self.host_to_device_bytes += self._size
+            self._touch()
+            return fence
 
     # ---- giving memory back ------------------------------------------------------------
 
