@@ -1,5 +1,5 @@
-"""The figures side of a BufferPool: stats, phases, the memory timeline, the report, and the
-named counters of layers built on the pool. BufferPool inherits it; the state lives there."""
+"""The figures of a BufferPool: stats, phases, the memory timeline, the report, and the named
+counters of layers built on the pool. A pool owns one ``PoolFigures`` and delegates to it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from .phases import PhaseBook
 from .report import CORE_KEYS, biggest_buffers, format_report
 from .timeline import Sample, Timeline
 
-__all__ = ["PoolFigures"]
+__all__ = ["PoolFigures", "unique_memories"]
 
 _T = TypeVar("_T")
 
@@ -30,20 +30,36 @@ def _call(method: weakref.WeakMethod[Callable[..., _T]], *args: object) -> _T:
     return bound(*args)
 
 
+def unique_memories(blobs: dict[str, Blob]) -> list[SyncedMemory]:
+    """Every memory of ``blobs``, once: blobs may share memories (share_data)."""
+    seen: dict[int, SyncedMemory] = {}
+    for blob in list(blobs.values()):
+        for memory in (blob.data_memory, blob.grad_memory):
+            seen.setdefault(id(memory), memory)
+    return list(seen.values())
+
+
 class PoolFigures:
-    """Stats, phases, timeline and report of a pool (a base class of ``BufferPool``)."""
+    """Stats, phases, timeline and report of one pool, over the pool's names and ledger.
 
-    # Set by BufferPool.__init__.
-    _blobs: dict[str, Blob]
-    _ledger: Ledger
-    _phases: PhaseBook
-    _timeline: Timeline | None
-    _counts: dict[str, int]
-    _lock: threading.Lock
+    Args:
+        device: the pool's device string, for the report.
+        blobs: the pool's names (the pool's own dict: new names show at once).
+        ledger: the pool's ledger of reserved bytes and traffic.
+        timeline: start recording the timeline at once.
+    """
 
-    @property
-    def device(self) -> str:
-        raise NotImplementedError
+    def __init__(
+        self, device: str, blobs: dict[str, Blob], ledger: Ledger, *, timeline: bool
+    ) -> None:
+        self.device = device
+        self._blobs = blobs
+        self._ledger = ledger
+        self._phases = PhaseBook(ledger)
+        self._timeline: Timeline | None = None
+        self._counts: dict[str, int] = {}  # named byte counters of layers on top (count())
+        self._lock = threading.Lock()  # guards the counters
+        self.record_timeline(timeline)
 
     def count_unpooled(self, nbytes: int) -> None:
         """Record bytes one call of a layer on top of the pool had to allocate outside it:
@@ -69,16 +85,11 @@ class PoolFigures:
 
     # ---- stats -----------------------------------------------------------------------------
 
-    def _memories(self) -> list[SyncedMemory]:
-        # Blobs may share memories (share_data): count each memory once.
-        seen: dict[int, SyncedMemory] = {}
-        for blob in list(self._blobs.values()):
-            for memory in (blob.data_memory, blob.grad_memory):
-                seen.setdefault(id(memory), memory)
-        return list(seen.values())
-
     def _active_bytes(self) -> int:
-        return sum(min(m.size, max(m.host_capacity, m.device_capacity)) for m in self._memories())
+        return sum(
+            min(m.size, max(m.host_capacity, m.device_capacity))
+            for m in unique_memories(self._blobs)
+        )
 
     def stats(self) -> dict[str, int]:
         """The pool's figures, all ints (bytes unless named otherwise).
@@ -164,6 +175,8 @@ class PoolFigures:
         """A table a person reads: every buffer, biggest first, totals last."""
         return format_report(self.device, self._blobs, self.stats())
 
-    def _explain(self, label: str, allocator_failed: bool) -> str:
+    def explain(self, label: str, allocator_failed: bool) -> str:
+        """What an out-of-memory error adds: the biggest buffers (and the report when the
+        allocator itself failed)."""
         text = f"buffer {label!r} could not grow; biggest buffers: {biggest_buffers(self._blobs)}"
         return text + ("\n" + self.report() if allocator_failed else "")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -14,10 +17,9 @@ from .._devices import DeviceLike
 from .._synced import SyncedMemory
 from .._validate import ShapeLike, check_dtype, check_name, check_nbytes, check_shape
 from .adaptors import AccountedBackend, LimitedBackend
-from .figures import PoolFigures
+from .figures import PoolFigures, unique_memories
 from .ledger import Ledger
-from .phases import PhaseBook
-from .timeline import Timeline
+from .timeline import Sample
 
 __all__ = ["BufferPool"]
 
@@ -56,7 +58,39 @@ class _Cached:
         )
 
 
-class BufferPool(PoolFigures):
+class _PoolLink:
+    """What a pool's backends and blobs call back into the pool through: one weak reference,
+    so that nothing they hold keeps the pool alive (a memory frees its blocks when collected,
+    and a pool that goes out of scope is collected at once, not at the next cyclic
+    collection)."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: BufferPool) -> None:
+        self._pool = weakref.ref(pool)
+
+    def moved(self) -> None:
+        """A block moved or was given back: cached views must go."""
+        pool = self._pool()
+        if pool is not None:
+            pool._forget_views()
+
+    def limit(self) -> int | None:
+        pool = self._pool()
+        return None if pool is None else pool.limit
+
+    def explain(self, label: str, allocator_failed: bool) -> str:
+        pool = self._pool()
+        return "" if pool is None else pool._figures.explain(label, allocator_failed)
+
+    def adopt(self, name: str, memory: SyncedMemory) -> None:
+        """Before the buffer ``name`` takes ``memory`` by share_data / share_grad."""
+        pool = self._pool()
+        if pool is not None:
+            pool._adopt(name, memory)
+
+
+class BufferPool:
     """Named buffers shared by every net and every step, grown to the largest request.
 
     A name is one memory: a training net and an evaluation net, or every batch size of one
@@ -106,24 +140,14 @@ class BufferPool(PoolFigures):
         self._fast: dict[str, _Cached] = {}
         self._fast_host: dict[str, _Cached] = {}
         self._lock = threading.Lock()  # guards creating names, not using them
-        self._phases = PhaseBook(self._ledger)
-        self._timeline: Timeline | None = None
-        self.record_timeline(timeline)
-        self._counts: dict[str, int] = {}  # named byte counters of layers on top (count())
+        self._figures = PoolFigures(self.device, self._blobs, self._ledger, timeline=timeline)
+        self._link = _PoolLink(self)
         host, accel = self._base.host, self._base.accel
         for adapt in adaptors:  # e.g. fault injection, innermost first
             host = adapt(host)
             accel = None if accel is None else adapt(accel)
-        # Weak method references: no reference cycle through the backends, so a pool that
-        # goes out of scope is collected at once, not at the next cyclic collection.
-        forget = weakref.WeakMethod(self._forget_views)
-
-        def moved() -> None:
-            bound = forget()
-            if bound is not None:
-                bound()
-
         # The host side of a two-sided device is accounted but never limited.
+        moved = self._link.moved
         self._host = AccountedBackend(host, self._ledger, "host", moved)
         self._accel = (
             None if accel is None else AccountedBackend(accel, self._ledger, "device", moved)
@@ -165,19 +189,8 @@ class BufferPool(PoolFigures):
     def _placement(self, name: str) -> Placement:
         # Each name gets adaptors that know it, so an out-of-memory error can name the buffer.
         limited = self._host if self._accel is None else self._accel
-        # The backends must not keep the pool alive: a memory frees its blocks when it is
-        # collected (SyncedMemory's finalizer holds its sides, and so these callbacks).
-        pool = weakref.ref(self)
-
-        def limit() -> int | None:
-            alive = pool()
-            return None if alive is None else alive._limit
-
-        def explain(label: str, allocator_failed: bool) -> str:
-            alive = pool()
-            return "" if alive is None else alive._explain(label, allocator_failed)
-
-        guarded = LimitedBackend(limited, self._ledger, limit, explain, name, self.device)
+        link = self._link
+        guarded = LimitedBackend(limited, self._ledger, link.limit, link.explain, name, self.device)
         if self._accel is None:
             return Placement(self.device, guarded, None)
         return Placement(self.device, self._host, guarded)
@@ -199,21 +212,11 @@ class BufferPool(PoolFigures):
                 blob = self._blobs.get(name)
                 if blob is None:
                     blob = Blob((0,), name=name, placement=self._placement(name))
-                    blob.on_share = self._share_guard(name)
+                    blob.on_share = functools.partial(self._link.adopt, name)
                     self._blobs[name] = blob
         if size is not None or kind is not None:
             blob.retype(blob.shape if size is None else size, kind or blob.dtype)
         return blob
-
-    def _share_guard(self, name: str) -> Callable[[SyncedMemory], None]:
-        pool = weakref.ref(self)  # the blob must not keep the pool alive
-
-        def guard(memory: SyncedMemory) -> None:
-            alive = pool()
-            if alive is not None:
-                alive._adopt(name, memory)
-
-        return guard
 
     def _adopt(self, name: str, memory: SyncedMemory) -> None:
         """Before the buffer ``name`` takes ``memory`` by share_data / share_grad."""
@@ -297,6 +300,46 @@ class BufferPool(PoolFigures):
                 self._fast.pop(name, None)
                 self._fast_host.pop(name, None)
 
+    # ---- figures: the pool's PoolFigures answers --------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """The pool's figures (DESIGN §3): reserved, active and peak bytes, traffic counters,
+        and the counters of layers built on the pool (``count``). See ``PoolFigures.stats``."""
+        return self._figures.stats()
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Attribute growth, peaks and traffic inside the block to the phase ``name``."""
+        return self._figures.phase(name)
+
+    def phase_stats(self) -> dict[str, dict[str, int]]:
+        """Per phase totals; see ``PoolFigures.phase_stats``."""
+        return self._figures.phase_stats()
+
+    def record_timeline(self, on: bool = True) -> None:
+        """Start (afresh) or stop recording the memory timeline (a sample per phase close)."""
+        self._figures.record_timeline(on)
+
+    @property
+    def timeline(self) -> list[Sample]:
+        """The recorded samples (empty when the timeline is off)."""
+        return self._figures.timeline
+
+    def plot_timeline(self, path: str | Path) -> Path:
+        """Write the memory timeline as a PNG (needs matplotlib: ``sharedmem[plot]``)."""
+        return self._figures.plot_timeline(path)
+
+    def report(self) -> str:
+        """A table a person reads: every buffer, biggest first, totals last."""
+        return self._figures.report()
+
+    def count(self, key: str, nbytes: int) -> None:
+        """Add ``nbytes`` to the counter ``key`` of ``stats()`` (layers built on the pool)."""
+        self._figures.count(key, nbytes)
+
+    def count_unpooled(self, nbytes: int) -> None:
+        """Record bytes one call of a layer on top had to allocate outside the pool."""
+        self._figures.count_unpooled(nbytes)
+
     # ---- limit, trimming ---------------------------------------------------------------
 
     @property
@@ -322,12 +365,12 @@ class BufferPool(PoolFigures):
         when no thread holds or is acquiring a view, and fetch views afresh after it.
         """
         self._forget_views()
-        return sum(memory.shrink_to_fit() for memory in self._memories())
+        return sum(memory.shrink_to_fit() for memory in unique_memories(self._blobs))
 
     def release(self) -> int:
         """Free every buffer's memory (names stay, content goes); returns the bytes freed."""
         self._forget_views()
-        return sum(memory.release() for memory in self._memories())
+        return sum(memory.release() for memory in unique_memories(self._blobs))
 
     def _forget_views(self) -> None:
         # The fast path's cached views would keep old blocks of moving backends (and of CUDA
