@@ -89,7 +89,7 @@ class AccountedBackend(BackendAdaptor):
     def _allocate(self, nbytes: int) -> Block:
         block = super()._allocate(nbytes)
         self.ledger.change(self.side, block.capacity)
-        self.ledger.count("num_grows", 1)
+        self.ledger.grew()
         return block
 
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
@@ -97,8 +97,7 @@ class AccountedBackend(BackendAdaptor):
         # A block that moved was allocated while the old one was still held.
         moved = new.address != block.address
         self.ledger.change(self.side, new.capacity - block.capacity, block.capacity if moved else 0)
-        self.ledger.count("num_grows", 1)
-        self.ledger.count("grow_copy_bytes", copied)
+        self.ledger.grew(copied)
         if moved:
             self._moved()
         return new, copied
@@ -128,8 +127,7 @@ class AccountedBackend(BackendAdaptor):
         fence = super()._copy(
             dst, src, to_device=to_device, stream=stream, asynchronous=asynchronous
         )
-        key = "host_to_device_bytes" if to_device else "device_to_host_bytes"
-        self.ledger.count(key, dst.numel())
+        self.ledger.copied(dst.numel(), to_device=to_device)
         return fence
 
     def _moved(self) -> None:

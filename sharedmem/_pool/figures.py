@@ -108,7 +108,7 @@ class PoolFigures:
             "active_bytes": self._active_bytes(),
             "peak_reserved_bytes": ledger.peak,
             "high_water_bytes": sum(b.data_memory.peak_size for b in list(self._blobs.values())),
-            **ledger.snapshot(),
+            **ledger.snapshot().as_dict(),
             "unpooled_bytes_total": 0,
             "unpooled_bytes_per_call": 0,
             **self._counts,

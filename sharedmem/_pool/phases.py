@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from .ledger import COUNTERS, Ledger
+from .ledger import COUNTERS, Ledger, Traffic
 
 __all__ = ["PhaseBook"]
 
@@ -29,7 +29,7 @@ class PhaseBook:
         self._totals: dict[str, dict[str, int]] = {}
         self._depth: dict[str, int] = {}
         # Per open phase: the traffic counters, reserved and device bytes when it opened.
-        self._start: dict[str, tuple[dict[str, int], int, int]] = {}
+        self._start: dict[str, tuple[Traffic, int, int]] = {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -52,18 +52,11 @@ class PhaseBook:
                 self.on_close(name, peak)
 
     def _begin(self, name: str) -> None:
-        ledger = self._ledger
-        with ledger.lock:
-            self._start[name] = (ledger.snapshot(), ledger.total, ledger.device_reserved)
-            ledger.phase_peaks[name] = ledger.total
+        self._start[name] = self._ledger.open_phase(name)
 
     def _end(self, name: str) -> int:
-        ledger = self._ledger
         counters, reserved_before, device_before = self._start.pop(name)
-        with ledger.lock:
-            after = ledger.snapshot()
-            peak = ledger.phase_peaks.pop(name)
-            reserved_after, device_after = ledger.total, ledger.device_reserved
+        after, peak, reserved_after, device_after = self._ledger.close_phase(name)
         totals = self._totals.setdefault(
             name,
             {"entries": 0, "peak_reserved_bytes": 0}
@@ -74,8 +67,8 @@ class PhaseBook:
         totals["peak_reserved_bytes"] = max(totals["peak_reserved_bytes"], peak)
         totals["added_reserved_bytes"] += reserved_after - reserved_before
         totals["added_device_bytes"] += device_after - device_before
-        for key in COUNTERS:
-            totals[key] += after[key] - counters[key]
+        for key, n in after.since(counters).as_dict().items():
+            totals[key] += n
         return peak
 
     def stats(self) -> dict[str, dict[str, int]]:

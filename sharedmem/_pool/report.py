@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from .._blob import Blob
 from .._synced import SyncedMemory
+from .ledger import COUNTERS
 
 __all__ = ["CORE_KEYS", "biggest_buffers", "format_report", "human_bytes"]
 
@@ -19,10 +20,7 @@ CORE_KEYS = frozenset(
         "active_bytes",
         "peak_reserved_bytes",
         "high_water_bytes",
-        "num_grows",
-        "grow_copy_bytes",
-        "host_to_device_bytes",
-        "device_to_host_bytes",
+        *COUNTERS,
     }
 )
 
