@@ -402,6 +402,28 @@ def test_releasing_the_pool_under_a_live_graph_is_refused_in_backward() -> None:
         loss.backward()
 
 
+@pytest.mark.parametrize("offload", [True, False])
+def test_writing_by_hand_into_a_held_buffer_is_refused_until_backward(offload: bool) -> None:
+    pool = sm.BufferPool("emulated")
+    model = mlp(depth=2).double()
+    twin = mlp(depth=2).double()
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(512, 256, dtype=F64)
+    with sm.save_on_pool(pool, offload=offload):
+        loss = model(x).sum()
+    held = [n for n in pool.names() if n.startswith(("offload.", "saved."))]
+    assert held
+    for name in held:
+        for acquire in (pool.tensor, pool.host_tensor):
+            with pytest.raises(sm.SharedMemError, match=rf"buffer '{name}' is in use by save_on"):
+                acquire(name, (8,))
+    loss.backward()
+    twin(x).sum().backward()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+    pool.host_tensor(held[0], (8,)).fill_(0)  # after backward the name is free again
+
+
 def test_bad_arguments_say_what_is_wrong() -> None:
     pool = sm.BufferPool("cpu")
     with pytest.raises(TypeError, match=r"^sharedmem: save_on_pool takes a BufferPool"):

@@ -277,6 +277,9 @@ class OffloadStep:
             self.names.release(key)
             raise
         slot = Slot(self, len(self.slots), name, key, memory, tensor)
+        # Until backward has it back, a hand-written pool.tensor(name) / host_tensor(name)
+        # would silently corrupt the gradient: the pool refuses them.
+        self.pool.protect(name, "save_on_pool (it holds a tensor saved for backward)")
         self.slots.append(slot)
         self.live_slots += 1
         if held is not None:
@@ -384,6 +387,7 @@ class OffloadStep:
             slot.restored = None
             slot.released = True
             self.live_slots -= 1
+            self.pool.unprotect(slot.name)
             self.names.release(slot.key)
         elif (
             slot.restored is not None

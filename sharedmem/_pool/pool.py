@@ -14,6 +14,7 @@ import torch
 from .._backends import Backend, Placement, resolve
 from .._blob import Blob
 from .._devices import DeviceLike
+from .._errors import SharedMemError
 from .._synced import SyncedMemory
 from .._validate import ShapeLike, check_dtype, check_name, check_nbytes, check_shape
 from .adaptors import AccountedBackend, LimitedBackend
@@ -140,6 +141,7 @@ class BufferPool:
         self._fast: dict[str, _Cached] = {}
         self._fast_host: dict[str, _Cached] = {}
         self._lock = threading.Lock()  # guards creating names, not using them
+        self._protected: dict[str, str] = {}  # names a layer holds (protect()) -> by whom
         self._figures = PoolFigures(self.device, self._blobs, self._ledger, timeline=timeline)
         self._link = _PoolLink(self)
         host, accel = self._base.host, self._base.accel
@@ -273,6 +275,13 @@ class BufferPool:
     ) -> torch.Tensor:
         check_name(name)
         size, kind = check_shape(shape), check_dtype(dtype)  # before anything changes
+        holder = self._protected.get(name)
+        if holder is not None:
+            raise SharedMemError(
+                f"sharedmem: buffer {name!r} is in use by {holder}; a view of it now would "
+                f"let a write corrupt what it holds. Use another name (the {name.split('.')[0]}.* "
+                "names belong to that layer), or ask after it is done (after backward)"
+            )
         created = name not in self._blobs
         blob = self.blob(name)
         # Remember the shape as the caller spells it, to compare with the next call's: an int,
@@ -339,6 +348,23 @@ class BufferPool:
     def count_unpooled(self, nbytes: int) -> None:
         """Record bytes one call of a layer on top had to allocate outside the pool."""
         self._figures.count_unpooled(nbytes)
+
+    # ---- names held by layers on top ---------------------------------------------------
+
+    def protect(self, name: str, holder: str) -> None:
+        """Refuse ``tensor(name)`` / ``host_tensor(name)`` until ``unprotect(name)``: a layer
+        on top (activation offload) holds bytes there that a write by hand would corrupt."""
+        check_name(name)
+        with self._lock:
+            self._protected[name] = holder
+            # Cached views would skip the check: the next request takes the checked path.
+            self._fast.pop(name, None)
+            self._fast_host.pop(name, None)
+
+    def unprotect(self, name: str) -> None:
+        """Undo ``protect(name)`` (nothing if it is not protected)."""
+        with self._lock:
+            self._protected.pop(name, None)
 
     # ---- limit, trimming ---------------------------------------------------------------
 
