@@ -122,3 +122,22 @@ def test_tensors_survive_a_fork_on_cpu() -> None:
         return int(pool.tensor("y", (8,), torch.int64).sum().item()) == 32
 
     assert _in_child(child) == 0
+
+
+def test_cuda_in_a_fork_child_of_a_cuda_parent_says_why_it_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No GPU is needed to check the refusal: it comes before any driver call.
+    from sharedmem._backends import cuda_api
+
+    monkeypatch.setattr(cuda_api, "_used", True)  # as after a CUDA memory was used here
+
+    def child() -> bool:
+        try:
+            with cuda_api.on_device(0):
+                return False
+        except sm.SharedMemError as error:
+            return "a CUDA context does not survive fork" in str(error) and "spawn" in str(error)
+
+    assert _in_child(child) == 0
+    assert not cuda_api._forked_after_use  # the parent itself is unaffected

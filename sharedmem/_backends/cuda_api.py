@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -83,6 +84,22 @@ def bindings() -> SimpleNamespace:
                 "than 580, 'cuda-python>=13' otherwise), or use backend='torch'."
             ) from None
     return SimpleNamespace(driver=driver, runtime=runtime)
+
+
+# Whether a context was made current in this process, and whether this process is a fork
+# child of one that had: the driver's state is not inherited, and a call would fail obscurely or
+# hang, so every driver call through on_device refuses with the reason instead.
+_used = False
+_forked_after_use = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_use
+    _forked_after_use = _forked_after_use or _used
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def error_name(error: Any) -> str:
@@ -166,8 +183,17 @@ def on_device(index: int) -> Iterator[None]:
     current one and nothing has used it yet; pushing the primary context does, and the
     runtime API (cuda-python's included) picks up the context current to the thread.
     """
+    if _forked_after_use:
+        raise SharedMemError(
+            "sharedmem: this process was made by fork after its parent had used CUDA, and a "
+            "CUDA context does not survive fork: its CUDA memories cannot be used here. Use the "
+            "'spawn' start method (multiprocessing.set_start_method('spawn')), or create CUDA "
+            "memories only in the child."
+        )
+    global _used
     driver = bindings().driver
     context = _primary_context(index)
+    _used = True
     with torch.cuda.device(index):
         check(driver.cuCtxPushCurrent(context), "cuCtxPushCurrent")
         try:
