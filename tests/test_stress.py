@@ -462,6 +462,25 @@ def test_the_default_seed_is_random_and_printed_and_limits_are_said_only_when_se
     assert "growths refused by the limit" in capsys.readouterr().out
 
 
+def test_the_api_walk_runs_and_catches_a_stale_fast_path(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(["stress", "--api", "--device", "cpu", "--ops", "600", "--seed", "3"]) == 0
+    assert summary(capsys.readouterr().out) == (600, 0, 3, "cpu")
+    from sharedmem._pool.pool import _Cached
+
+    def stale(self: _Cached, shape: object, dtype: torch.dtype) -> bool:  # the bug it found
+        return dtype is self.dtype and self.memory.version == self.version and shape == self.key
+
+    monkeypatch.setattr(_Cached, "serves", stale)
+    args = ["stress", "--api", "--device", "cpu", "--backend", "reserved", "--ops", "20000"]
+    assert main([*args, "--seed", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "stress: MISMATCH (seed 3, backend reserved) after op" in out
+    assert "to run again: python -m sharedmem stress --api --device cpu" in out
+    assert summary(out)[1] == 1
+
+
 def test_a_run_that_verified_nothing_fails(capsys: pytest.CaptureFixture[str]) -> None:
     # Building the first pool takes far longer than a microsecond: the clock runs out first.
     assert main(["stress", "--ops", "5", "--seconds", "0.000001"]) == 1

@@ -145,6 +145,8 @@ def _run(args: argparse.Namespace) -> int:
     problem = _size_check(args, placement.accel is not None)
     if problem is not None:
         parser.error(problem)
+    if args.api:
+        return _run_api_walk(args, placement_names(args.device, args.backend))
     if args.self_check:
         print("stress: self-check: a deliberately broken backend flips bits; the run must catch it")
     config = StressConfig(
@@ -175,6 +177,62 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 1
     return _verdict(config, result)
+
+
+def placement_names(device: str, backend: str | None) -> tuple[str, ...]:
+    """The backends a run takes turns over: the one named, or each of the device's."""
+    from .._backends import backend_names
+
+    if backend is not None:
+        return (backend,)
+    if device.startswith("cuda"):
+        from .._backends.cuda import usable_backends
+        from .._devices import normalize_device
+
+        return usable_backends(int(normalize_device(device).partition(":")[2]))
+    return backend_names(device)
+
+
+def _run_api_walk(args: argparse.Namespace, backends: tuple[str, ...]) -> int:
+    """``stress --api``: the random walk over the pool's public API, backend after backend."""
+    from .._pool import BufferPool
+    from .._stress._api_walk import walk_pool_api
+
+    seed = secrets.randbelow(2**31) if args.seed is None else args.seed
+    print(f"stress: seed {seed}", file=sys.stderr)
+    ops = args.ops
+    seconds = args.seconds if args.seconds is not None else (None if ops is not None else 10.0)
+    share = None if seconds is None else seconds / len(backends)
+    total, failed = 0, None
+    try:
+        for k, backend in enumerate(backends):
+            quota = None if ops is None else ops // len(backends) + (k < ops % len(backends))
+            pool = BufferPool(args.device, backend=backend)
+            result = walk_pool_api(pool, seed + k, quota, share)
+            total += result.ops
+            if result.mismatch is not None:
+                failed = (backend, result)
+                break
+    except KeyboardInterrupt:
+        print(f"stress: interrupted (Ctrl-C) after {total} verified API operations")
+        print(f"stress: {total} verified ops, 0 mismatches, seed {seed}, device {args.device}")
+        return 130
+    if failed is not None:
+        backend, result = failed
+        print(f"stress: MISMATCH (seed {seed}, backend {backend}) {result.mismatch}")
+        print("stress: the last operations:")
+        print("\n".join(f"  {line}" for line in result.log[-12:]))
+        print(
+            f"stress: to run again: python -m sharedmem stress --api --device {args.device} "
+            f"--backend {backend} --seed {seed + backends.index(backend)} --ops {result.ops}"
+        )
+    print(
+        f"stress: {total} verified ops, {0 if failed is None else 1} mismatches, seed {seed}, "
+        f"device {args.device}"
+    )
+    if failed is None and total == 0:
+        print("stress: FAILED: no operation was verified; give the run more time", file=sys.stderr)
+    return 0 if failed is None and total else 1
 
 
 def _verdict(config: StressConfig, result: StressResult) -> int:
@@ -227,6 +285,12 @@ def add_stress_command(commands: Any) -> None:
     )
     add = stress.add_argument
     add("--device", default="emulated", help="cpu, emulated (default), cuda or cuda:N")
+    add(
+        "--api",
+        action="store_true",
+        help="walk the pool's public API instead (names, both fast paths, retyping, "
+        "share_data, trim, release) against a model of each name's shape, dtype and bytes",
+    )
     add("--backend", default=None, help="one backend of the device (default: each in turn)")
     add(
         "--seconds",
