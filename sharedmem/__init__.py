@@ -14,6 +14,7 @@ from ._devices import available_devices
 from ._errors import OutOfMemoryError, SharedMemError
 from ._executor import pooled_forward, pooled_train_step
 from ._offload import save_on_pool
+from ._planning import MemoryEstimate, estimate
 from ._pool import BufferPool
 from ._synced import Head, SyncedMemory
 
@@ -23,12 +24,14 @@ __all__ = [
     "Blob",
     "BufferPool",
     "Head",
+    "MemoryEstimate",
     "OutOfMemoryError",
     "SharedMemError",
     "SyncedMemory",
     "__version__",
     "available_devices",
     "backend_names",
+    "estimate",
     "pooled_forward",
     "pooled_train_step",
     "save_on_pool",

@@ -29,6 +29,15 @@ from .trace import Leaves, Traced
 __all__ = ["Compiled", "Executor", "describe"]
 
 
+class MemoryPlan(NamedTuple):
+    """A signature's memory, planned: the pool bytes its slots need (on an empty pool) and the
+    bytes of intermediates that ops without a native ``out=`` form allocate beside the pool in
+    one call (all of them: an upper bound of what is live beside it at once)."""
+
+    pooled_bytes: int
+    unpooled_bytes: int
+
+
 class SlotPlan(NamedTuple):
     """Where a graph's planned intermediates live: a slot name per lifetime (``None`` for
     results the caller keeps) and each slot's bytes."""
@@ -171,6 +180,18 @@ class Executor:
             autocast,
             traced.spec,
             mutated_inputs(gm),
+        )
+
+    def _memory_plan(self, traced: Traced, *, outputs_in_pool: bool) -> MemoryPlan:
+        """What running ``traced`` would ask of the pool and beside it, without running it or
+        growing anything (the planning layer's estimate stands on this)."""
+        analysis = analyse(traced.gm, self.device)
+        plan = self._plan(analysis, traced, outputs_in_pool)
+        share = self.plan == "liveness"
+        alone = assign_slots(plan.joined, {}, share=share, prefix=self.prefix)[1]
+        return MemoryPlan(
+            pooled_bytes=sum(round_up(n, 16) for n in alone.values()),
+            unpooled_bytes=analysis.unpooled_bytes,
         )
 
     def _plan(self, analysis: Analysis, traced: Traced, outputs_in_pool: bool) -> SlotPlan:

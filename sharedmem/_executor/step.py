@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .._pool import BufferPool
-from .executor import Executor, describe
+from .executor import Executor, MemoryPlan, describe
 from .trace import flatten, trace_forward, trace_train
 
 __all__ = ["PooledForward", "PooledTrainStep", "pooled_forward", "pooled_train_step"]
@@ -69,6 +69,15 @@ class PooledTrainStep(Executor):
         result: torch.Tensor = loss if compiled.owned[0] else loss.clone()
         return result
 
+    def memory_plan(self, inputs: object, targets: object) -> MemoryPlan:
+        """The memory a call with ``inputs`` and ``targets`` would plan, traced but not run
+        (nothing is allocated in the pool)."""
+        binding, state = self._state()
+        x, y = flatten(inputs, "inputs"), flatten(targets, "targets")
+        self._check_devices(state, x, y)
+        traced = trace_train(self.model, self.loss_fn, binding, state, x, y)
+        return self._memory_plan(traced, outputs_in_pool=False)
+
 
 class PooledForward(Executor):
     """A forward pass whose activations live in a pool: ``out = fwd(inputs)``.
@@ -114,6 +123,14 @@ class PooledForward(Executor):
         outputs = self._run(compiled, binding, [*state.params, *state.buffers, *x.tensors])
         assert compiled.out_spec is not None
         return pytree.tree_unflatten(outputs, compiled.out_spec)
+
+    def memory_plan(self, inputs: object) -> MemoryPlan:
+        """The memory a call with ``inputs`` would plan, traced but not run."""
+        binding, state = self._state()
+        x = flatten(inputs, "inputs")
+        self._check_devices(state, x)
+        traced = trace_forward(self.model, binding, state, x)
+        return self._memory_plan(traced, outputs_in_pool=self.outputs_in_pool)
 
 
 def pooled_train_step(

@@ -1,0 +1,370 @@
+"""``sm.estimate``: a step's memory before running it, eager and pooled, by category.
+
+The eager figures come from running the step on fake tensors (no memory is allocated) under a
+dispatch mode that counts the bytes every op creates while they are alive (``live``); the
+optimizer's state and its step's temporaries come from running a copy of the optimizer, of the
+same class and hyperparameters, on the fake parameters: the optimizer's own rules, not a table.
+The pooled figures are the executor's own plan for the same signature (``memory_plan``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+
+from .._backends import backend_names
+from .._executor import PooledForward, PooledTrainStep
+from .._pool import BufferPool
+from .._pool.report import human_bytes
+from .live import LiveBytes, round_for
+
+__all__ = ["CATEGORIES", "MemoryEstimate", "estimate"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
+Loss = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What a train step and an evaluation of one signature need, in bytes, before running.
+
+    A peak is a total: everything live at that moment, parameters and inputs included (and,
+    with an optimizer, its state after the first step), for a step that starts with no
+    ``.grad``: what ``torch.cuda.max_memory_allocated()`` shows for that step in a fresh
+    process. ``*_pooled`` are the same for ``sm.pooled_train_step`` / ``sm.pooled_forward``
+    on a fresh pool: the pool's planned bytes plus what runs beside the pool.
+
+    Attributes:
+        device: the device the figures are for (its allocator's rounding is applied).
+        train_peak_eager, train_peak_pooled, eval_peak_eager, eval_peak_pooled: peaks.
+        train_bytes: the train step's bytes by category (``CATEGORIES``): ``temporaries`` is
+            the rest of the eager peak (results that die within the step).
+        module_activation_bytes: per module path (``""`` is the model), the bytes saved for
+            backward while that module ran; a container counts its children's.
+    """
+
+    device: str
+    train_peak_eager: int
+    train_peak_pooled: int
+    eval_peak_eager: int
+    eval_peak_pooled: int
+    train_bytes: dict[str, int]
+    module_activation_bytes: dict[str, int] = field(default_factory=dict)
+
+    def fits(self, budget: int, *, pooled: bool = True) -> bool:
+        """Whether a train step's peak (pooled unless ``pooled=False``) fits ``budget`` bytes."""
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ValueError(f"sharedmem: budget must be bytes (an int >= 0), got {budget!r}")
+        return (self.train_peak_pooled if pooled else self.train_peak_eager) <= budget
+
+    def report(self) -> str:
+        """A table a person reads: the peaks, the categories, the biggest modules."""
+        rows = [f"memory estimate on {self.device} (nothing was allocated to make it)"]
+        rows.append(f"  {'':<22}{'eager':>16}{'pooled':>16}")
+        for label, eager, pooled in (
+            ("train step peak", self.train_peak_eager, self.train_peak_pooled),
+            ("evaluation peak", self.eval_peak_eager, self.eval_peak_pooled),
+        ):
+            rows.append(f"  {label:<22}{eager:>16,}{pooled:>16,}   ({human_bytes(eager)} eager)")
+        rows.append("  train step by category:")
+        for key in CATEGORIES:
+            rows.append(f"    {key:<20}{self.train_bytes[key]:>16,}")
+        modules = sorted(
+            ((p, n) for p, n in self.module_activation_bytes.items() if p),
+            key=lambda item: -item[1],
+        )
+        if modules:
+            rows.append("  activations saved for backward, biggest modules:")
+            rows += [f"    {path:<20}{n:>16,}" for path, n in modules[:10]]
+        return "\n".join(rows)
+
+
+def estimate(
+    model: nn.Module,
+    inputs: object,
+    targets: object = None,
+    *,
+    loss_fn: Loss | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    device: object = "cpu",
+) -> MemoryEstimate:
+    """Estimate a train step's and an evaluation's memory without running them.
+
+    Runs ``loss_fn(model(inputs), targets)``, its backward and ``optimizer.step()`` on fake
+    tensors (no memory), counting every byte while it is alive, and plans the pooled step
+    for the same signature. Without ``loss_fn`` the loss is the model's output, summed if it
+    is not a scalar. Figures are for ``device`` (any device string, usable here or not:
+    ``"cuda"`` on a machine without a GPU works); the model and inputs stay where they are.
+
+    Not modelled: cuDNN/cuBLAS workspaces, the CUDA context, fragmentation of the caching
+    allocator (blocks are rounded to 512 bytes, nothing more), the vmm backend's 2 MiB chunk
+    granularity, and memory a custom autograd function or a hook allocates outside ATen ops.
+
+    Args:
+        model: the module (training mode is used for the train step, eval for evaluation).
+        inputs: the model's input (a tensor or a pytree of them); its shapes are what counts.
+        targets: the loss's second argument.
+        loss_fn: ``loss_fn(output, targets)`` returns the scalar loss.
+        optimizer: its class and hyperparameters give the state and step temporaries.
+        device: the device the figures are for.
+
+    Example::
+
+        >>> import torch, sharedmem as sm
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(256, 10))
+        >>> est = sm.estimate(model, torch.randn(32, 64), torch.randint(0, 10, (32,)),
+        ...                   loss_fn=torch.nn.functional.cross_entropy,
+        ...                   optimizer=torch.optim.Adam(model.parameters()))
+        >>> est.train_bytes["optimizer_state"] == 2 * est.train_bytes["parameters"] + 4 * 4
+        True
+        >>> est.fits(1 << 30)
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"sharedmem: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"sharedmem: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    name = _device_name(device)
+    rounding = round_for(name)
+    loss = loss_fn if loss_fn is not None else _output_as_loss
+    was_training = model.training
+    try:
+        model.train()
+        train = _eager_train(model, inputs, targets, loss, optimizer, rounding)
+        train_plan = PooledTrainStep(model, loss, BufferPool("cpu")).memory_plan(
+            _real(inputs), _real(targets)
+        )
+        model.eval()
+        eval_peak, out_bytes = _eager_eval(model, inputs, rounding)
+        eval_plan = PooledForward(model, BufferPool("cpu")).memory_plan(_real(inputs))
+    finally:
+        model.train(was_training)
+    static = train.parameters + train.inputs
+    grads, state = train.gradients, train.optimizer_state
+    train_peak_eager = static + state + max(train.forward_backward, grads + train.step_temporaries)
+    pool_bytes = rounding(train_plan.pooled_bytes)
+    train_peak_pooled = (
+        static
+        + state
+        + pool_bytes
+        + max(rounding(train_plan.unpooled_bytes) + grads, grads + train.step_temporaries)
+    )
+    eval_static = train.parameters + train.model_inputs
+    categories = {
+        "parameters": train.parameters,
+        "gradients": grads,
+        "optimizer_state": state,
+        "inputs": train.inputs,
+        "activations": train.activations,
+    }
+    categories["temporaries"] = max(0, train_peak_eager - sum(categories.values()))
+    return MemoryEstimate(
+        device=name,
+        train_peak_eager=train_peak_eager,
+        train_peak_pooled=train_peak_pooled,
+        eval_peak_eager=eval_static + eval_peak,
+        eval_peak_pooled=(
+            eval_static
+            + rounding(eval_plan.pooled_bytes)
+            + rounding(eval_plan.unpooled_bytes)
+            + out_bytes
+        ),
+        train_bytes={key: categories[key] for key in CATEGORIES},
+        module_activation_bytes=train.modules,
+    )
+
+
+@dataclass
+class _Train:
+    parameters: int = 0
+    inputs: int = 0  # inputs and targets
+    model_inputs: int = 0  # inputs alone
+    forward_backward: int = 0  # peak of what forward and backward create
+    gradients: int = 0
+    activations: int = 0
+    optimizer_state: int = 0
+    step_temporaries: int = 0
+    modules: dict[str, int] = field(default_factory=dict)
+
+
+def _device_name(device: object) -> str:
+    if isinstance(device, torch.device):
+        text = str(device)
+    elif isinstance(device, str):
+        text = device.strip()
+    else:
+        raise TypeError(
+            f"sharedmem: device must be a str or torch.device, got {type(device).__name__}"
+        )
+    backend_names(text)  # an unknown device is refused here, usable or not
+    return text
+
+
+def _output_as_loss(output: Any, targets: Any) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(
+            "sharedmem: without loss_fn the model must return one tensor (its sum is the "
+            "loss); pass loss_fn=... for other outputs"
+        )
+    return output if output.dim() == 0 else output.sum()
+
+
+def _real(tree: object) -> object:
+    # The pooled plan traces the real module on the CPU: inputs of another device (meta, a
+    # GPU) are stood in for by CPU tensors of the same shapes.
+    def convert(value: object) -> object:
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return torch.zeros(value.shape, dtype=value.dtype)
+        return value
+
+    return pytree.tree_map(convert, tree)
+
+
+def _nbytes(tensors: Iterator[torch.Tensor], rounding: Callable[[int], int]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()  # one Python object per storage: tied weights count once
+        seen.setdefault(id(storage), rounding(storage.nbytes()))
+    return sum(seen.values())
+
+
+def _tensors(tree: object) -> Iterator[torch.Tensor]:
+    return (v for v in pytree.tree_leaves(tree) if isinstance(v, torch.Tensor))
+
+
+def _eager_train(
+    model: nn.Module,
+    inputs: object,
+    targets: object,
+    loss_fn: Loss,
+    optimizer: torch.optim.Optimizer | None,
+    rounding: Callable[[int], int],
+) -> _Train:
+    result = _Train()
+    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    result.parameters = _nbytes(iter(named.values()), rounding)
+    result.model_inputs = _nbytes(_tensors(inputs), rounding)
+    result.inputs = result.model_inputs + _nbytes(_tensors(targets), rounding)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        state: dict[str, torch.Tensor] = {k: fake.from_tensor(t) for k, t in named.items()}
+        trainable = [state[key] for key, p in model.named_parameters() if p.requires_grad]
+        fake_in = pytree.tree_map(_faker(fake), inputs)
+        fake_targets = pytree.tree_map(_faker(fake), targets)
+        existing = [*state.values(), *_tensors(fake_in), *_tensors(fake_targets)]
+        static = {id(t.untyped_storage()) for t in existing}
+        live = LiveBytes(rounding, existing)
+        saved: dict[int, int] = {}
+        modules: dict[str, int] = {}
+        with _module_stack(model) as stack, live:
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in static and key not in saved:
+                    saved[key] = rounding(storage.nbytes())
+                    for path in stack:  # a container counts what its children save
+                        modules[path] = modules.get(path, 0) + saved[key]
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                output = functional_call(model, state, (fake_in,))
+                loss = loss_fn(output, fake_targets)
+            del output
+            grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+            del loss
+            result.forward_backward = live.peak
+        result.gradients = _nbytes((g for g in grads if g is not None), rounding)
+        result.activations = sum(saved.values())
+        result.modules = modules
+        if optimizer is not None:
+            result.optimizer_state, result.step_temporaries = _optimizer_bytes(
+                optimizer, model, state, grads, rounding
+            )
+    return result
+
+
+def _eager_eval(
+    model: nn.Module, inputs: object, rounding: Callable[[int], int]
+) -> tuple[int, int]:
+    """The peak of what an evaluation forward creates, and its output's bytes."""
+    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        state: dict[str, torch.Tensor] = {k: fake.from_tensor(t) for k, t in named.items()}
+        fake_in = pytree.tree_map(_faker(fake), inputs)
+        live = LiveBytes(rounding, [*state.values(), *_tensors(fake_in)])
+        with live, torch.no_grad():
+            output = functional_call(model, state, (fake_in,))
+        return live.peak, _nbytes(_tensors(output), rounding)
+
+
+def _faker(fake: FakeTensorMode) -> Callable[[object], object]:
+    def convert(value: object) -> object:
+        return fake.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    return convert
+
+
+@contextlib.contextmanager
+def _module_stack(model: nn.Module) -> Iterator[list[str]]:
+    """The paths of the modules whose forward is running, outermost first."""
+    stack: list[str] = []
+    handles = []
+    for path, module in model.named_modules():
+
+        def enter(_m: nn.Module, _args: object, path: str = path) -> None:
+            stack.append(path)
+
+        def leave(_m: nn.Module, _args: object, _out: object) -> None:
+            stack.pop()
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        yield stack
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _optimizer_bytes(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    grads: tuple[torch.Tensor | None, ...],
+    rounding: Callable[[int], int],
+) -> tuple[int, int]:
+    """The state a copy of ``optimizer`` keeps after a step, and the temporaries of a step."""
+    by_id = {id(p): state[name] for name, p in model.named_parameters()}
+    trainable = [state[name] for name, p in model.named_parameters() if p.requires_grad]
+    for p, g in zip(trainable, grads, strict=True):
+        p.grad = g
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [by_id[id(p)] for p in group["params"] if id(p) in by_id],
+        }
+        for group in optimizer.param_groups
+    ]
+    kind: Any = type(optimizer)  # a concrete optimizer: its groups carry every hyperparameter
+    twin = kind(groups)
+    live = LiveBytes(rounding, [*state.values(), *(g for g in grads if g is not None)])
+    with live, torch.no_grad():
+        twin.step()  # the first step makes the state
+        state_bytes = live.live
+        live.reset_peak()
+        twin.step()  # a steady step: what it holds on top of the state for a moment
+        temporaries = live.peak - live.live
+    return state_bytes, temporaries
