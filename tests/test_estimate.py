@@ -9,6 +9,7 @@ a first step), for a step that starts with no ``.grad``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action
 
 import sharedmem as sm
+from sharedmem._cli import main
 
 F = nn.functional.cross_entropy
 Optim = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -196,3 +198,30 @@ def test_bad_arguments_say_what_is_wrong() -> None:
         sm.estimate(model, x, y, loss_fn=F, optimizer="adam")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^sharedmem: budget must be bytes"):
         sm.estimate(model, x, y, loss_fn=F).fits(-1)
+
+
+def test_the_command_prints_the_report_and_judges_a_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "estimate_models.py").write_text(
+        "import torch\n"
+        "def small():\n"
+        "    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),\n"
+        "        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["estimate", "estimate_models:small", "--input", "4x3x16x16", "--device", "cuda"]
+    assert main([*args, "--budget", "1G"]) == 0
+    out = capsys.readouterr().out
+    assert "memory estimate on cuda" in out and "the pooled step fits" in out
+    assert main([*args, "--budget", "1000"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main(["estimate", "estimate_models:small", "--input", "4x5x16x16"]) == 2
+    assert "cannot take an input of shape (4, 5, 16, 16)" in capsys.readouterr().err
+    for bad, message in (
+        ("nope_models:small", "cannot import 'nope_models'"),
+        ("estimate_models", "PACKAGE.MODULE:FACTORY"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["estimate", bad, "--input", "4x3x16x16"])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

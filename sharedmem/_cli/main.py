@@ -16,6 +16,7 @@ from pathlib import Path
 from .._devices import normalize_device
 from .._errors import SharedMemError
 from .demo import DemoConfig, run_demo
+from .estimate import add_estimate_command
 from .stress import _count, add_stress_command
 
 __all__ = ["main"]
@@ -129,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(run=_demo)
     add_stress_command(commands)
+    add_estimate_command(commands, _count)
 
     bench = commands.add_parser(
         "bench",
