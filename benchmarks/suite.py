@@ -22,6 +22,7 @@ SUITE = [
     ("memory: train+eval, variable shapes, growth", "bench_memory", "all"),
     ("randomized stress", "bench_stress", "all"),
     ("pooled graph executor vs eager", "bench_executor", "all"),
+    ("train step peak memory: pooled vs eager", "bench_step_memory", "all"),
     ("CUDA: sync bandwidth, growth, views", "bench_cuda", "cuda"),
     ("activation offload vs save_on_cpu", "bench_offload", "cuda"),
 ]

@@ -1,0 +1,187 @@
+"""Peak memory of one train step: the pooled executor against eager, on a set of real shapes.
+
+The measure of DESIGN §8: the peak of the running sum of the allocator's events over one step
+(``torch.profiler`` with ``profile_memory=True``, its memory timeline in order), relative to what
+was live at the step's start, plus, for the pooled step, the pool's ``reserved_bytes``. Each
+model is measured with gradients set to ``None`` first, and again with gradients already there
+(gradient accumulation). Models: a ResNet-style CNN (basic blocks with batch norm), a depthwise
+MobileNet-style CNN, an MLP and a small transformer encoder, all at small sizes (CPU, float32).
+``torch.compile`` is left out: compiling these on 2 CPU cores takes minutes per model.
+
+Targets (DESIGN §7): pooled peak <= 1.0x eager on every model, median <= 0.85x, <= 1.0x with
+gradients already present.
+
+    python benchmarks/bench_step_memory.py [--quick] [--device cpu] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from torch.profiler._memory_profiler import Action
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Progress, Row, row, script_main
+
+import sharedmem as sm
+
+Case = tuple[str, Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, torch.Tensor]]]
+
+
+class Block(nn.Module):
+    """A ResNet basic block."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.skip: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.skip = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.skip(x))
+
+
+def resnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+        Block(32, 32, 1), Block(32, 64, 2), Block(64, 128, 2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
+    )  # fmt: skip
+
+
+def mobilenet() -> nn.Module:
+    def separable(cin: int, cout: int, stride: int) -> list[nn.Module]:
+        return [
+            nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False), nn.BatchNorm2d(cin),
+            nn.ReLU6(), nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU6(),
+        ]  # fmt: skip
+
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6(),
+        *separable(32, 64, 1), *separable(64, 128, 2), *separable(128, 128, 1),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
+    )  # fmt: skip
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, 128)
+        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(1))
+
+
+def _images(size: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    return lambda b: (torch.randn(b, 3, size, size), torch.randint(0, 10, (b,)))
+
+
+CASES: list[Case] = [
+    ("resnet", resnet, _images(32)),
+    ("mobilenet", mobilenet, _images(64)),
+    ("mlp", mlp, lambda b: (torch.randn(b, 784), torch.randint(0, 10, (b,)))),
+    (
+        "transformer",
+        Encoder,
+        lambda b: (torch.randint(0, 1000, (b, 64)), torch.randint(0, 10, (b,))),
+    ),
+]
+
+
+def allocator_peak(step: Callable[[], object]) -> int:
+    """The peak of the running sum of the allocator's events during ``step``."""
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        step()
+    live = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action == Action.CREATE:
+            live += size
+        elif action == Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    return peak
+
+
+def _peaks(case: Case, batch: int, device: str) -> dict[str, int]:
+    _, make, data = case
+    torch.manual_seed(0)
+    eager = make()
+    pooled = make()
+    pooled.load_state_dict(eager.state_dict())
+    x, y = data(batch)
+    loss_fn = nn.functional.cross_entropy
+    pool = sm.BufferPool(device)
+    step = sm.pooled_train_step(pooled, loss_fn, pool=pool)
+    step(x, y)  # traced, slots grown: the steady state is measured
+
+    def eager_step() -> None:
+        loss_fn(eager(x), y).backward()
+
+    figures = {}
+    for grads in ("none", "present"):
+        for model in (eager, pooled):
+            model.zero_grad(set_to_none=grads == "none")
+            if grads == "present":
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p)
+        figures[f"eager {grads}"] = allocator_peak(eager_step)
+        reserved = pool.stats()["reserved_bytes"]
+        figures[f"pooled {grads}"] = allocator_peak(lambda: step(x, y)) + reserved
+    return figures
+
+
+def run(quick: bool = False, device: str = "cpu", progress: Progress | None = None) -> list[Row]:
+    if device.startswith("cuda"):
+        return [row("step memory (cuda)", 0, "", target="CPU only for now: skipped", ok=None)]
+    batch = 8 if quick else 32
+    rows, ratios = [], []
+    for case in CASES:
+        if progress is not None:
+            progress.say(f"step memory: {case[0]} at batch {batch}")
+        figures = _peaks(case, batch, device)
+        for grads in ("none", "present"):
+            eager, pooled = figures[f"eager {grads}"], figures[f"pooled {grads}"]
+            ratio = pooled / eager
+            if grads == "none":
+                ratios.append(ratio)
+            rows.append(
+                row(
+                    f"{case[0]} peak, grads {grads} ({device})",
+                    pooled,
+                    "B",
+                    baseline=eager,
+                    target="<= 1.0x eager",
+                    ok=ratio <= 1.0,
+                )
+            )
+    median = statistics.median(ratios)
+    rows.append(row("median pooled/eager peak", median, "x", target="<= 0.85x", ok=median <= 0.85))
+    return rows
+
+
+if __name__ == "__main__":
+    script_main(__doc__, run, "train step peak memory on {device}")
