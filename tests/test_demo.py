@@ -25,7 +25,9 @@ def test_demo_shares_the_pool_and_learns(device: str, capsys: pytest.CaptureFixt
     assert per_net_eval > 0.3 * per_net_train  # without sharing the eval net costs a lot
     assert result["saving"] > 0.25
     assert result["losses"][-1] < result["losses"][0]
-    assert result["losses"] == result["per_net_losses"]  # allocation does not change the maths
+    # Allocation does not change the maths: equal up to rounding (a kernel may take another
+    # path for another buffer address).
+    assert result["losses"] == pytest.approx(result["per_net_losses"], rel=1e-4)
     out = capsys.readouterr().out
     assert "per-net allocation" in out and "one shared pool" in out and "saving:" in out
     assert "BufferPool on " in out and "train loss" in out
