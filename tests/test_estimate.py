@@ -187,6 +187,14 @@ def test_nothing_is_allocated_or_changed_and_any_device_works() -> None:
     assert "train step peak" in est_cpu.report() and "activations" in est_cpu.report()
 
 
+def test_a_frozen_model_has_no_gradients_and_no_optimizer_state() -> None:
+    model = mlp().requires_grad_(False)
+    x, y = batch(mlp)
+    est = sm.estimate(model, x, y, loss_fn=F, optimizer=torch.optim.SGD([torch.zeros(1)], lr=1))
+    assert est.train_bytes["gradients"] == 0 and est.train_bytes["activations"] == 0
+    assert est.train_peak_eager >= est.train_bytes["parameters"] + est.train_bytes["inputs"]
+
+
 def test_bad_arguments_say_what_is_wrong() -> None:
     model = mlp()
     x, y = batch(mlp)

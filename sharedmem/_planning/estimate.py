@@ -144,9 +144,12 @@ def estimate(
     try:
         model.train()
         train = _eager_train(model, inputs, targets, loss, optimizer, rounding)
-        train_plan = PooledTrainStep(model, loss, BufferPool("cpu")).memory_plan(
-            _real(inputs), _real(targets)
-        )
+        if any(p.requires_grad for p in model.parameters()):
+            train_plan = PooledTrainStep(model, loss, BufferPool("cpu")).memory_plan(
+                _real(inputs), _real(targets)
+            )
+        else:  # a frozen model: its "train step" is a training-mode forward and the loss
+            train_plan = PooledForward(model, BufferPool("cpu")).memory_plan(_real(inputs))
         model.eval()
         eval_peak, out_bytes = _eager_eval(model, inputs, rounding)
         eval_plan = PooledForward(model, BufferPool("cpu")).memory_plan(_real(inputs))
@@ -283,7 +286,9 @@ def _eager_train(
                 output = functional_call(model, state, (fake_in,))
                 loss = loss_fn(output, fake_targets)
             del output
-            grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+            grads: tuple[torch.Tensor | None, ...] = ()
+            if trainable and loss.requires_grad:  # a frozen model has no backward to run
+                grads = torch.autograd.grad(loss, trainable, allow_unused=True)
             del loss
             result.forward_backward = live.peak
         result.gradients = _nbytes((g for g in grads if g is not None), rounding)
@@ -349,7 +354,7 @@ def _optimizer_bytes(
     """The state a copy of ``optimizer`` keeps after a step, and the temporaries of a step."""
     by_id = {id(p): state[name] for name, p in model.named_parameters()}
     trainable = [state[name] for name, p in model.named_parameters() if p.requires_grad]
-    for p, g in zip(trainable, grads, strict=True):
+    for p, g in zip(trainable, grads, strict=False):
         p.grad = g
     groups = [
         {
