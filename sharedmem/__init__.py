@@ -12,9 +12,8 @@ from ._backends import backend_names
 from ._blob import Blob
 from ._devices import available_devices
 from ._errors import OutOfMemoryError, SharedMemError
-from ._executor import pooled_forward, pooled_train_step
 from ._offload import save_on_pool
-from ._planning import MemoryEstimate, estimate
+from ._planning import MemoryEstimate, estimate, fit_step, pooled_forward, pooled_train_step
 from ._pool import BufferPool
 from ._synced import Head, SyncedMemory
 
@@ -32,6 +31,7 @@ __all__ = [
     "available_devices",
     "backend_names",
     "estimate",
+    "fit_step",
     "pooled_forward",
     "pooled_train_step",
     "save_on_pool",

@@ -33,15 +33,21 @@ class OutOfMemoryError(SharedMemError, MemoryError):
         limit: int | None,
         device: str,
         detail: str = "",
+        summary: str = "",
     ) -> None:
         self.requested = requested
         self.reserved = reserved
         self.limit = limit
         self.device = device
         self.detail = detail
+        # A refusal made before anything ran (a budget too small for one example) says so
+        # itself: ``summary`` replaces the growth's wording.
+        self.summary = summary
         super().__init__(self._message())
 
     def _message(self) -> str:
+        if self.summary:
+            return "\n".join(part for part in (self.summary, self.detail) if part)
         if self.limit is None:
             head = (
                 f"sharedmem: out of memory on {self.device}: could not grow to "
@@ -65,6 +71,9 @@ class OutOfMemoryError(SharedMemError, MemoryError):
             )
         return "\n".join(part for part in (head, self.detail, fix) if part)
 
-    def __reduce__(self) -> tuple[type[OutOfMemoryError], tuple[int, int, int | None, str, str]]:
+    def __reduce__(
+        self,
+    ) -> tuple[type[OutOfMemoryError], tuple[int, int, int | None, str, str, str]]:
         # MemoryError pickles only ``args``; keep every field so errors cross processes intact.
-        return (type(self), (self.requested, self.reserved, self.limit, self.device, self.detail))
+        fields = (self.requested, self.reserved, self.limit, self.device, self.detail)
+        return (type(self), (*fields, self.summary))

@@ -1,4 +1,5 @@
-"""Capability flags, skip marks, a printed seed for every randomized test, and state resets."""
+"""Capability flags, skip marks, a printed seed for every randomized test, state resets, and
+the allocator-event measure of a step's peak (DESIGN §8)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ import collections
 import os
 import random
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from torch.profiler import ProfilerActivity, profile
+from torch.profiler._memory_profiler import Action
 
 import sharedmem as sm
 
@@ -125,3 +128,19 @@ def make_memory(placement: tuple[str, str], nbytes: int = 0) -> sm.SyncedMemory:
 def storage_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the storage under ``tensor``, what ``torch.save`` or ``deepcopy`` reads."""
     return int(tensor.untyped_storage().nbytes())
+
+
+def allocator_peak(step: Callable[[], None]) -> int:
+    """The peak of the running sum of the allocator's events during ``step``."""
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        step()
+    live = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action == Action.CREATE:
+            live += size
+        elif action == Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    return peak

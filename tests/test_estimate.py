@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import allocator_peak
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
-from torch.profiler._memory_profiler import Action
 
 import sharedmem as sm
 from sharedmem._cli import main
@@ -46,22 +45,6 @@ def cnn() -> nn.Module:
 def batch(make: Callable[[], nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (64, 128) if make is mlp else (16, 3, 16, 16)
     return torch.randn(shape), torch.randint(0, 10, (shape[0],))
-
-
-def allocator_peak(step: Callable[[], None]) -> int:
-    """The peak of the running sum of the allocator's events during ``step``."""
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        step()
-    live = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
-    return peak
 
 
 def live_at_start(model: nn.Module, tensors: list[torch.Tensor], opt: object) -> int:

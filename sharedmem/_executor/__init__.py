@@ -7,6 +7,6 @@ decides how each op runs and when each result dies, ``plan`` places results in p
 
 from __future__ import annotations
 
-from .step import PooledForward, PooledTrainStep, pooled_forward, pooled_train_step
+from .step import PooledForward, PooledTrainStep
 
-__all__ = ["PooledForward", "PooledTrainStep", "pooled_forward", "pooled_train_step"]
+__all__ = ["PooledForward", "PooledTrainStep"]

@@ -30,12 +30,17 @@ __all__ = ["Compiled", "Executor", "describe"]
 
 
 class MemoryPlan(NamedTuple):
-    """A signature's memory, planned: the pool bytes its slots need (on an empty pool) and the
+    """A signature's memory, planned: the pool bytes its slots need (on an empty pool), the
     bytes of intermediates that ops without a native ``out=`` form allocate beside the pool in
-    one call (all of them: an upper bound of what is live beside it at once)."""
+    one call (all of them: an upper bound of what is live beside it at once), and the size
+    each slot would be grown to on the pool as it is now (what a budget is checked against),
+    and the bytes of the results a call hands back in fresh memory (loss and gradients, or
+    the forward's outputs)."""
 
     pooled_bytes: int
     unpooled_bytes: int
+    slot_bytes: dict[str, int]
+    returned_bytes: int
 
 
 class SlotPlan(NamedTuple):
@@ -97,6 +102,9 @@ class Executor:
         self.device = torch.device("cpu" if device == "emulated" else device)
         self._device_type = self.device.type
         self._cache: dict[tuple[object, ...], Compiled] = {}
+        # Traces made by memory_plan(), kept for planning again (a budget's choice) and for
+        # the signature's first call, which then does not trace twice.
+        self._traced: dict[tuple[object, ...], Traced] = {}
         self._last: Compiled | None = None
         self._binding: Binding | None = None
 
@@ -192,6 +200,8 @@ class Executor:
         return MemoryPlan(
             pooled_bytes=sum(round_up(n, 16) for n in alone.values()),
             unpooled_bytes=analysis.unpooled_bytes,
+            slot_bytes=plan.slot_bytes,
+            returned_bytes=returned_bytes(traced.gm),
         )
 
     def _plan(self, analysis: Analysis, traced: Traced, outputs_in_pool: bool) -> SlotPlan:
@@ -303,6 +313,14 @@ def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
             if isinstance(base, torch.fx.Node) and base in position:
                 written.add(position[base])
     return tuple(sorted(written))
+
+
+def returned_bytes(gm: torch.fx.GraphModule) -> int:
+    """The bytes of the graph's tensor outputs (from the trace's fake values)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    nodes = [n for n in pytree.tree_leaves(output.args) if isinstance(n, torch.fx.Node)]
+    values = (n.meta.get("val") for n in nodes)
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def describe(what: str, *trees: Leaves) -> str:

@@ -143,7 +143,7 @@ def estimate(
     was_training = model.training
     try:
         model.train()
-        train = _eager_train(model, inputs, targets, loss, optimizer, rounding)
+        train = eager_train(model, inputs, targets, loss, optimizer, rounding)
         if any(p.requires_grad for p in model.parameters()):
             train_plan = PooledTrainStep(model, loss, BufferPool("cpu")).memory_plan(
                 _real(inputs), _real(targets)
@@ -248,7 +248,7 @@ def _tensors(tree: object) -> Iterator[torch.Tensor]:
     return (v for v in pytree.tree_leaves(tree) if isinstance(v, torch.Tensor))
 
 
-def _eager_train(
+def eager_train(
     model: nn.Module,
     inputs: object,
     targets: object,

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -379,6 +379,27 @@ class BufferPool:
         A limit below what is reserved now frees nothing; it refuses further growth.
         """
         self._limit = None if nbytes is None else check_nbytes(nbytes, "limit")
+
+    def reserved_after(self, sizes: Mapping[str, int]) -> int:
+        """The device bytes this pool would hold at the peak of growing each named buffer to
+        at least ``sizes[name]`` bytes; nothing is allocated (what a planner checks against a
+        limit or a budget). A moving backend holds a buffer's old block beside its new one
+        while it copies: the biggest such moment is included.
+
+        Args:
+            sizes: bytes per buffer name; names the pool does not have yet are new buffers.
+        """
+        side = self._accel if self._accel is not None else self._host
+        added = held = 0
+        for name, nbytes in sizes.items():
+            blob = self._blobs.get(name)
+            have = 0 if blob is None else blob.data_memory.device_capacity
+            want = side.round(check_nbytes(nbytes, "size"))
+            if want > have:
+                added += want - have
+                if have and not side.stable_address:
+                    held = max(held, have)
+        return self._ledger.device_reserved + added + held
 
     def trim(self) -> int:
         """Shrink every buffer to its current size; returns the bytes given back.

@@ -1,0 +1,464 @@
+"""Steps that fit a batch to a memory budget: the fewest micro-batches whose planned peak
+fits, chosen before running from the executor's plan (or, for a plain eager model, from the
+estimate's fake-tensor run), never by trying and catching an out-of-memory error.
+
+A choice is made once per input signature, budget and limit, so the same budget and shapes
+always give the same chunks. The search is a bisection over the number of chunks (a chunk's
+need falls as chunks get smaller); each distinct chunk shape is planned once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .._errors import OutOfMemoryError
+from .._executor import PooledForward, PooledTrainStep
+from .._pool import BufferPool
+from .._pool.report import human_bytes
+from .budget import ChunkNeed, Need, budget_bytes, check_budget
+from .chunking import (
+    Chunk,
+    Loss,
+    Splitter,
+    WeightedLoss,
+    batch_stat_modules,
+    reduction_of,
+    warn_once,
+)
+from .estimate import eager_train
+from .live import round_for
+
+__all__ = ["FitStep", "FittedForward", "FittedTrainStep"]
+
+
+def signature(*trees: object) -> tuple[object, ...]:
+    """Shapes, dtypes and devices of the trees' tensors, and their structure."""
+    key: list[object] = []
+    for tree in trees:
+        leaves, spec = pytree.tree_flatten(tree)
+        key.append(str(spec))
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                key.append((tuple(leaf.shape), leaf.dtype, leaf.device))
+            else:
+                key.append(repr(leaf))
+    return tuple(key)
+
+
+class Fitted:
+    """The part every fitted step shares: the budget or fixed count, the choice per
+    signature and its cache, and what is said once.
+
+    Args:
+        model: the module (for the notices about batch-wide modules).
+        budget: bytes, ``"free"`` or ``None``.
+        chunks: a fixed count, or ``None``.
+        splitter: how a batch is split.
+        device: where the step runs.
+        pool: the pool the step's buffers live in (``None`` for a plain eager step).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        budget: object,
+        chunks: object,
+        splitter: Splitter,
+        device: torch.device,
+        pool: BufferPool | None,
+    ) -> None:
+        check_budget(budget, chunks)
+        self.model = model
+        self.budget: int | str | None = budget  # type: ignore[assignment]
+        self.fixed: int | None = chunks  # type: ignore[assignment]
+        self.splitter = splitter
+        self.device = device
+        self.pool = pool
+        self._failures: dict[int, BaseException] = {}  # why chunk counts could not run
+        self._chosen: dict[tuple[object, ...], int] = {}
+        self._counts: dict[str, int] = {}  # signature label -> chunks, for reading
+        self._said: dict[str, list[bool]] = {}
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def chunks_for(self, inputs: object, targets: object = None) -> int:
+        """The number of chunks a call with these inputs (and targets) runs in; chosen now
+        (planned, not run) if no call of that signature chose yet."""
+        return self._count(inputs, targets, self._accumulating())
+
+    @property
+    def chosen(self) -> dict[str, int]:
+        """Chunks chosen so far, by signature (batch shapes), in the order first seen."""
+        return dict(self._counts)
+
+    def report(self) -> str:
+        """A table of the chunk counts chosen per signature."""
+        head = f"budget {self.budget!r}" if self.fixed is None else f"fixed {self.fixed} chunks"
+        rows = [f"chunks per batch signature ({head}):"]
+        rows += [f"  {label:<48}{n:>6}" for label, n in self._counts.items()]
+        return "\n".join(rows)
+
+    # ---- choosing ---------------------------------------------------------------------------
+
+    def _accumulating(self) -> bool:
+        return False
+
+    def _count(self, inputs: object, targets: object, accumulating: bool) -> int:
+        total = self.splitter.examples(inputs, targets)
+        if self.fixed is not None:
+            chunks = min(self.fixed, total)
+            self._remember(inputs, targets, chunks)
+            return chunks
+        assert self.budget is not None
+        budget = budget_bytes(self.budget, self.device, self.pool)
+        limit = None if self.pool is None else self.pool.limit
+        key = (signature(inputs, targets), budget, limit, accumulating)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            chosen = self._search(inputs, targets, total, budget, limit, accumulating)
+            self._chosen[key] = chosen
+            self._remember(inputs, targets, chosen)
+        return chosen
+
+    def _remember(self, inputs: object, targets: object, chunks: int) -> None:
+        shapes = [tuple(t.shape) for t in _tensors((inputs, targets))]
+        label = " ".join(str(s) for s in shapes)
+        self._counts[label] = chunks
+
+    def _search(
+        self,
+        inputs: object,
+        targets: object,
+        total: int,
+        budget: int,
+        limit: int | None,
+        accumulating: bool,
+    ) -> int:
+        """Bisect for the fewest chunks that fit. If none does with the pool as it is (its
+        buffers were sized by other shapes), this step's own buffers are given back once and
+        the search runs again on what is left."""
+        for attempt in range(2):
+            needs: dict[int, Need | None] = {}
+
+            def fits(chunks: int, needs: dict[int, Need | None] = needs) -> bool:
+                if chunks not in needs:
+                    needs[chunks] = self._need(inputs, targets, chunks, accumulating)
+                need = needs[chunks]
+                return need is not None and need.fits(budget, limit)
+
+            if fits(1):
+                return 1
+            low, high = 1, total  # low does not fit; high is the most there can be
+            while high - low > 1:
+                middle = (low + high) // 2
+                if fits(middle):
+                    high = middle
+                else:
+                    low = middle
+            if fits(high):
+                return high
+            if attempt == 0 and not self._give_back():
+                break
+        self._refuse(inputs, targets, total, budget, limit, accumulating)
+        raise AssertionError("unreachable: _refuse raises")
+
+    def _give_back(self) -> bool:
+        """Free this step's own pool buffers; whether there were any."""
+        return False
+
+    def _need(
+        self, inputs: object, targets: object, chunks: int, accumulating: bool
+    ) -> Need | None:
+        """The need of running the batch as ``chunks`` chunks: its biggest chunk's, with
+        every chunk's pool buffers taken together; ``None`` where the model cannot run
+        chunks that small (batch norm on one example)."""
+        parts = self.splitter.split(inputs, targets, chunks)
+        beside: dict[str, int] = {}
+        slots: dict[str, int] = {}
+        for part in _distinct(parts):
+            try:
+                chunk = self._chunk_need(part, chunks, accumulating)
+            except (RuntimeError, ValueError) as failure:
+                if chunks == 1:
+                    raise  # the model cannot run this batch at all: say so as it is
+                self._failures[chunks] = failure
+                return None
+            if sum(chunk.beside.values()) > sum(beside.values()):
+                beside = chunk.beside
+            for name, nbytes in chunk.slots.items():
+                slots[name] = max(slots.get(name, 0), nbytes)
+        pool = 0 if self.pool is None else self.pool.reserved_after(slots)
+        parts_ = {"pool buffers": pool, **beside} if self.pool is not None else dict(beside)
+        return Need(sum(parts_.values()), pool, parts_)
+
+    def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
+        raise NotImplementedError
+
+    def _refuse(
+        self,
+        inputs: object,
+        targets: object,
+        chunks: int,
+        budget: int,
+        limit: int | None,
+        accumulating: bool,
+    ) -> None:
+        need = self._need(inputs, targets, chunks, accumulating)
+        if need is None:
+            raise ValueError(
+                f"sharedmem: the batch does not fit {human_bytes(budget)} in fewer than "
+                f"{chunks} chunks, and the model cannot run chunks of one example: "
+                f"{self._failures.get(chunks)}"
+            )
+        over = need.total - budget if need.total > budget else need.pool - (limit or 0)
+        cap = budget if need.total > budget else limit
+        where = f"the budget of {human_bytes(budget)}"
+        if need.total <= budget:
+            where = f"the pool's limit of {human_bytes(limit or 0)}"
+        summary = (
+            f"sharedmem: out of memory on {self.device} before running: one chunk of the "
+            f"smallest size ({chunks} chunks) needs {human_bytes(need.total)}, "
+            f"{human_bytes(over)} more than {where}. Biggest consumers: {need.describe()}. "
+            "Nothing ran and nothing was lost. To go on: raise the budget or the pool's "
+            "limit, give memory back (pool.trim() or release()), or shrink an example"
+        )
+        raise OutOfMemoryError(need.total, need.pool, cap, str(self.device), summary=summary)
+
+    def _say_batch_wide(self, chunks: int) -> None:
+        """Say once that chunking changes what batch-wide modules compute."""
+        modules = batch_stat_modules(self.model) if chunks > 1 else []
+        if modules:
+            warn_once(
+                self._said.setdefault("batch", []),
+                f"sharedmem: the batch runs in {chunks} chunks, and {', '.join(modules[:3])} "
+                "read the batch as a whole in training mode (batch norm): their statistics are "
+                "each chunk's, so results differ from the unchunked step. Pass chunks=1 (or "
+                "use GroupNorm/LayerNorm) where that matters",
+            )
+
+
+def give_back_slots(pool: BufferPool, prefix: str) -> bool:
+    """Free the memory of the executor's buffers under ``prefix`` (scratch between calls:
+    their next call regrows them to its own plan); whether any held memory."""
+    freed = 0
+    for name in pool.names():
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            freed += pool.blob(name).data_memory.release()
+    return freed > 0
+
+
+def _distinct(parts: Iterable[Chunk]) -> list[Chunk]:
+    seen: dict[tuple[object, ...], Chunk] = {}
+    for part in parts:
+        seen.setdefault(signature(part.inputs, part.targets), part)
+    return list(seen.values())
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _grad_bytes(model: nn.Module, rounding: Callable[[int], int]) -> int:
+    trainable = (p for p in model.parameters() if p.requires_grad)
+    return sum(rounding(p.numel() * p.element_size()) for p in trainable)
+
+
+class FittedTrainStep(Fitted):
+    """A pooled train step that runs each batch in as many chunks as its budget needs.
+
+    Made by ``sm.pooled_train_step(..., budget=...)`` or ``chunks=...``; see there.
+    """
+
+    def __init__(
+        self,
+        step: PooledTrainStep,
+        *,
+        budget: object,
+        chunks: object,
+        reduction: object,
+        splitter: Splitter,
+    ) -> None:
+        super().__init__(step.model, budget, chunks, splitter, step.device, step.pool)
+        self.step = step
+        self.reduction, self._assumed = reduction_of(step.loss_fn, reduction)
+        self._weighted: PooledTrainStep | None = None
+
+    def __call__(self, inputs: object, targets: object) -> torch.Tensor:
+        """Run the batch in chunks, accumulate the gradients into ``p.grad``, return the
+        whole batch's loss."""
+        chunks = self._count(inputs, targets, self._accumulating())
+        if chunks == 1:
+            return self.step(inputs, targets)
+        self._say(chunks)
+        total: torch.Tensor | None = None
+        for part in self.splitter.split(inputs, targets, chunks):
+            loss = self._run_chunk(part)
+            total = loss if total is None else total + loss
+        assert total is not None
+        return total
+
+    def _accumulating(self) -> bool:
+        return any(p.grad is not None for p in self.step.model.parameters())
+
+    def _weights(self) -> bool:
+        return self.reduction == "mean" or self.splitter.user_split is not None
+
+    def _weighted_step(self) -> PooledTrainStep:
+        if self._weighted is None:
+            step = self.step
+            self._weighted = PooledTrainStep(
+                step.model, WeightedLoss(step.loss_fn), step.pool, step.plan, step.prefix
+            )
+        return self._weighted
+
+    def _run_chunk(self, part: Chunk) -> torch.Tensor:
+        if not self._weights():
+            return self.step(part.inputs, part.targets)
+        weight = torch.tensor(part.weight, dtype=torch.float64, device=self.step.device)
+        return self._weighted_step()(part.inputs, (part.targets, weight))
+
+    def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
+        if chunks == 1 or not self._weights():
+            plan = self.step.memory_plan(part.inputs, part.targets)
+        else:
+            weight = torch.zeros((), dtype=torch.float64, device=self.step.device)
+            plan = self._weighted_step().memory_plan(part.inputs, (part.targets, weight))
+        rounding = round_for(str(self.device))
+        held_grads = _grad_bytes(self.model, rounding) if accumulating or chunks > 1 else 0
+        beside = {
+            "ops beside the pool": rounding(plan.unpooled_bytes),
+            "new gradients": rounding(plan.returned_bytes),
+            "gradients held between chunks": held_grads,
+        }
+        return ChunkNeed(beside, plan.slot_bytes)
+
+    def _give_back(self) -> bool:
+        return give_back_slots(self.step.pool, self.step.prefix)
+
+    def _say(self, chunks: int) -> None:
+        self._say_batch_wide(chunks)
+        if self._assumed and self._weights():
+            warn_once(
+                self._said.setdefault("reduction", []),
+                "sharedmem: the loss function does not say how it reduces over the batch; "
+                "its chunks are weighted as a mean (PyTorch's default). Pass reduction='sum' "
+                "if it sums",
+            )
+
+
+class FittedForward(Fitted):
+    """A pooled forward that runs each batch in as many chunks as its budget needs, its
+    outputs concatenated along the batch dimension.
+
+    Made by ``sm.pooled_forward(..., budget=...)`` or ``chunks=...``; see there.
+    """
+
+    def __init__(
+        self, forward: PooledForward, *, budget: object, chunks: object, splitter: Splitter
+    ) -> None:
+        super().__init__(forward.model, budget, chunks, splitter, forward.device, forward.pool)
+        self.forward = forward
+
+    def __call__(self, inputs: object) -> Any:
+        """Run the batch in chunks and return the outputs, concatenated."""
+        chunks = self._count(inputs, None, False)
+        if chunks == 1:
+            return self.forward(inputs)
+        if self.model.training:
+            self._say_batch_wide(chunks)
+        outputs = [self.forward(part.inputs) for part in self.splitter.split(inputs, None, chunks)]
+        return concatenate(outputs, self.splitter.batch_dim)
+
+    def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
+        plan = self.forward.memory_plan(part.inputs)
+        rounding = round_for(str(self.device))
+        # Every chunk's output is held until they are joined, then the joined copy.
+        held = 1 if chunks == 1 else 2 * chunks
+        beside = {
+            "ops beside the pool": rounding(plan.unpooled_bytes),
+            "outputs": held * rounding(plan.returned_bytes),
+        }
+        return ChunkNeed(beside, plan.slot_bytes)
+
+    def _give_back(self) -> bool:
+        return give_back_slots(self.forward.pool, self.forward.prefix)
+
+
+def concatenate(outputs: list[Any], batch_dim: int) -> Any:
+    """The chunks' outputs joined along ``batch_dim``, leaf by leaf."""
+    flat = [pytree.tree_flatten(out) for out in outputs]
+    spec = flat[0][1]
+    joined = []
+    for leaves in zip(*(leaves for leaves, _ in flat), strict=True):
+        first = leaves[0]
+        if isinstance(first, torch.Tensor):
+            if first.dim() <= batch_dim:
+                raise ValueError(
+                    "sharedmem: a chunked forward joins its outputs along the batch dimension, "
+                    f"but one output has shape {tuple(first.shape)}; pass chunks=1"
+                )
+            joined.append(torch.cat(leaves, dim=batch_dim))
+        else:
+            joined.append(first)
+    return pytree.tree_unflatten(joined, spec)
+
+
+class FitStep(Fitted):
+    """An eager train step that runs each batch in as many chunks as its budget needs.
+
+    Made by ``sm.fit_step``; see there.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Loss,
+        *,
+        budget: object,
+        chunks: object,
+        reduction: object,
+        splitter: Splitter,
+    ) -> None:
+        first = next(iter(model.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+        super().__init__(model, budget, chunks, splitter, device, None)
+        self.loss_fn = loss_fn
+        self.reduction, self._assumed = reduction_of(loss_fn, reduction)
+
+    def __call__(self, inputs: object, targets: object) -> torch.Tensor:
+        """``loss_fn(model(inputs), targets).backward()`` in chunks; the batch's loss."""
+        chunks = self._count(inputs, targets, self._accumulating())
+        if chunks == 1:
+            parts = [Chunk(inputs, targets, 1.0)]
+        else:
+            self._say_batch_wide(chunks)
+            parts = self.splitter.split(inputs, targets, chunks)
+        weigh = chunks > 1 and (self.reduction == "mean" or self.splitter.user_split is not None)
+        total: torch.Tensor | None = None
+        for part in parts:
+            loss = self.loss_fn(self.model(part.inputs), part.targets)
+            if weigh:
+                loss = loss * part.weight
+            loss.backward()  # type: ignore[no-untyped-call]
+            loss = loss.detach()
+            total = loss if total is None else total + loss
+        assert total is not None
+        return total
+
+    def _accumulating(self) -> bool:
+        return any(p.grad is not None for p in self.model.parameters())
+
+    def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
+        rounding = round_for(str(self.device))
+        train = eager_train(self.model, part.inputs, part.targets, self.loss_fn, None, rounding)
+        held = _grad_bytes(self.model, rounding) if accumulating or chunks > 1 else 0
+        beside = {
+            "forward and backward": train.forward_backward,
+            "gradients held between chunks": held,
+        }
+        return ChunkNeed(beside, {})

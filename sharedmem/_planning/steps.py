@@ -1,0 +1,235 @@
+"""The public faces of the pooled executor and of fitting to a budget:
+``sm.pooled_train_step``, ``sm.pooled_forward`` and ``sm.fit_step``.
+
+Without a budget or a chunk count the pooled factories return the executor's own steps, so a
+plain step pays nothing for fitting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._executor import PooledForward, PooledTrainStep
+from .._pool import BufferPool
+from .chunking import Splitter, UserSplit
+from .fit import FitStep, FittedForward, FittedTrainStep
+
+__all__ = ["fit_step", "pooled_forward", "pooled_train_step"]
+
+
+def pooled_train_step(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    pool: BufferPool,
+    plan: str = "liveness",
+    prefix: str = "act.",
+    budget: int | str | None = None,
+    chunks: int | None = None,
+    reduction: str | None = None,
+    batch_dim: int = 0,
+    split: UserSplit | None = None,
+) -> PooledTrainStep | FittedTrainStep:
+    """Make a train step that runs ``model`` as an ATen graph with activations in ``pool``.
+
+    ``loss = step(inputs, targets)`` does what
+    ``loss = loss_fn(model(inputs), targets); loss.backward()`` does: it runs the forward and
+    the backward, adds each parameter's gradient into ``p.grad`` (creating it where it is
+    ``None``), so ``optimizer.zero_grad()`` and ``optimizer.step()`` work as usual, updates
+    batch-norm running statistics, draws random numbers (dropout) from the global generator
+    in eager order, and returns the loss. Results equal eager PyTorch's.
+
+    The model is traced once per signature (the inputs' shapes, strides, dtypes and devices,
+    training flags, the model's structure, autocast and the default dtype) into a joint
+    forward+backward graph of ATen ops, which is planned and compiled to a straight-line
+    function; later calls of that signature only run it. Every intermediate an op allocates
+    is written into a named pool buffer through the op's ``out=`` form; views and in-place
+    ops stay what they are; ops without a native ``out=`` form allocate as in eager and are
+    counted in ``pool.stats()["unpooled_bytes_total"]``.
+
+    The model may change between calls: a replaced, added or removed submodule, parameter or
+    buffer, or weights untied, is noticed on the next call, which traces anew. Lazy modules
+    (``nn.LazyLinear``) must be initialized by one eager forward first.
+
+    Returned tensors are never views into the pool: the loss and new gradients are fresh
+    tensors (as in eager), so nothing the caller holds is overwritten by the next call. The
+    loss is detached (it does not require grad).
+
+    Buffers are named ``prefix`` + a number and shared by every executor using that prefix on
+    the pool, so a ``pooled_forward`` (eval) reuses the train step's buffers. An input that
+    is itself a view into those buffers (an ``outputs_in_pool=True`` output of another call)
+    is copied before the call overwrites them.
+
+    The module's Python code runs only while tracing. Tensors it stores on the module (a
+    buffer it rebinds, ``self.avg = 0.9 * self.avg + ...``; a tensor attribute it sets) are
+    written back after every call, as in eager; other Python-side state (counters, tensors
+    put in lists, data-dependent branches) is fixed at trace time, and tracing puts every
+    attribute of every submodule back as it was. Hooks registered on parameter tensors, and
+    module hooks added after a signature was traced, are not run. Traces in different
+    threads take turns; one executor, or one model, must not be called from two threads at
+    once.
+
+    **Fitting a memory budget.** With ``budget=`` (bytes, or ``"free"``) each batch runs as
+    the fewest micro-batches ("chunks", split along ``batch_dim``) whose planned peak fits,
+    chosen from the executor's plan before anything runs (no trial runs) and kept per input
+    signature, so the same budget and shapes always give the same chunks; ``chunks=N`` fixes
+    the count instead. The gradients are accumulated into ``p.grad`` exactly: a
+    mean-reduced loss is weighted by each chunk's share of the batch, a sum-reduced one is
+    summed, and the loss returned is the whole batch's. A budget covers what the step holds
+    beyond what was there before it: the pool's buffers, what runs beside the pool and the
+    gradients. ``"free"`` is what the device can give at the start of each batch (on CUDA its
+    free memory, plus the pool's buffers; on ``cpu``/``emulated`` the machine's available
+    memory, plus the pool's); a pool's ``limit`` also caps the pool's buffers. If one example
+    does not fit, ``sm.OutOfMemoryError`` is raised before running, naming the shortfall and
+    the biggest consumers. Batch norm in training mode reads the batch as a whole, so its
+    statistics (and results) differ between chunked and unchunked steps: the first chunked
+    call warns. ``step.chunks_for(inputs, targets)`` and ``step.report()`` say what was chosen.
+
+    Args:
+        model: the module; on the pool's device (``"emulated"`` pools take CPU modules).
+        loss_fn: ``loss_fn(model(inputs), targets)`` returns the scalar loss.
+        pool: the ``BufferPool`` the activations live in.
+        plan: ``"liveness"`` (intermediates whose lifetimes do not overlap share a buffer) or
+            ``"per_node"`` (one buffer per intermediate; for comparison).
+        prefix: the pool buffer names' prefix.
+        budget: bytes, or ``"free"``: run each batch in the fewest chunks that fit.
+        chunks: run each batch in this many chunks (at most one per example).
+        reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over the batch, where it
+            does not say (``nn`` losses and ``torch.nn.functional`` losses do); unknown
+            callables are taken as means, with a warning.
+        batch_dim: the batch dimension of every input and target tensor.
+        split: ``split(inputs, targets, chunks)`` returns ``chunks`` tuples ``(inputs,
+            targets[, weight])``, for layouts a plain split cannot cut (padded or packed
+            sequences); a weight is the chunk's share of the batch's loss.
+
+    Example::
+
+        >>> import torch, sharedmem as sm
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(8, 1))
+        >>> pool = sm.BufferPool("cpu")
+        >>> step = sm.pooled_train_step(model, torch.nn.functional.mse_loss, pool=pool)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> x, y = torch.randn(16, 4), torch.randn(16, 1)
+        >>> for _ in range(3):
+        ...     opt.zero_grad()
+        ...     loss = step(x, y)
+        ...     opt.step()
+        >>> loss.shape, model[0].weight.grad.shape
+        (torch.Size([]), torch.Size([8, 4]))
+    """
+    step = PooledTrainStep(model, loss_fn, pool, plan, prefix)
+    if budget is None and chunks is None:
+        return step
+    splitter = Splitter(batch_dim, split)
+    return FittedTrainStep(
+        step, budget=budget, chunks=chunks, reduction=reduction, splitter=splitter
+    )
+
+
+def pooled_forward(
+    model: nn.Module,
+    *,
+    pool: BufferPool,
+    plan: str = "liveness",
+    prefix: str = "act.",
+    outputs_in_pool: bool = False,
+    budget: int | str | None = None,
+    chunks: int | None = None,
+    batch_dim: int = 0,
+) -> PooledForward | FittedForward:
+    """Make a forward that runs ``model`` without autograd, with activations in ``pool``.
+
+    ``out = fwd(inputs)`` returns what ``with torch.no_grad(): model(inputs)`` returns, in
+    the module's current mode (``model.eval()`` for evaluation; in training mode dropout is
+    drawn and batch-norm statistics are updated, as in eager). Tracing, planning and unpooled
+    ops work as in ``pooled_train_step``; with the same ``pool`` and ``prefix`` an eval
+    forward fits into the train step's buffers and adds (almost) nothing to the pool.
+
+    By default the outputs are fresh tensors, written directly (no copy) into new memory on
+    each call, so they stay valid after later calls. With ``outputs_in_pool=True`` they are
+    views into pool buffers instead: nothing is allocated, but the next call of any executor
+    on the pool overwrites them; copy what you keep. Passing such a view to an executor on
+    the pool (``fwd(fwd(x))``, features for a pooled head) is safe: the call copies it first.
+
+    Args:
+        model: the module; on the pool's device (``"emulated"`` pools take CPU modules).
+        pool: the ``BufferPool`` the activations live in.
+        plan: ``"liveness"`` or ``"per_node"``, as in ``pooled_train_step``.
+        prefix: the pool buffer names' prefix.
+        outputs_in_pool: return views into the pool instead of fresh tensors (a chunked
+            call returns its joined outputs, fresh).
+        budget: bytes, or ``"free"``: run each batch in the fewest chunks that fit (as in
+            ``pooled_train_step``); the chunks' outputs are joined along ``batch_dim``.
+        chunks: run each batch in this many chunks.
+        batch_dim: the batch dimension of every input and output tensor.
+
+    Example::
+
+        >>> import torch, sharedmem as sm
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()).eval()
+        >>> fwd = sm.pooled_forward(model, pool=sm.BufferPool("cpu"))
+        >>> x = torch.randn(2, 4)
+        >>> torch.equal(fwd(x), model(x))
+        True
+    """
+    forward = PooledForward(model, pool, plan, prefix, outputs_in_pool)
+    if budget is None and chunks is None:
+        return forward
+    return FittedForward(forward, budget=budget, chunks=chunks, splitter=Splitter(batch_dim))
+
+
+def fit_step(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    budget: int | str | None = None,
+    chunks: int | None = None,
+    reduction: str | None = None,
+    batch_dim: int = 0,
+    split: UserSplit | None = None,
+) -> FitStep:
+    """Make an eager train step that runs each batch in as many chunks as fit a budget.
+
+    ``loss = step(inputs, targets)`` does what
+    ``loss = loss_fn(model(inputs), targets); loss.backward()`` does, for a plain model
+    without a pool: gradients are added into ``p.grad`` as ``backward()`` adds them, and the
+    loss returned is the whole batch's (detached). The batch runs as the fewest chunks whose
+    peak, estimated on fake tensors before running (``sm.estimate``'s eager model), fits
+    ``budget``; choices, weighting, batch norm and errors are as in
+    ``sm.pooled_train_step(..., budget=...)``. ``"free"`` is the device's free memory at the
+    start of each batch (on CUDA, plus what PyTorch's caching allocator holds unused).
+
+    Args:
+        model: the module, in the mode it trains in.
+        loss_fn: ``loss_fn(model(inputs), targets)`` returns the scalar loss.
+        budget: bytes, or ``"free"``.
+        chunks: a fixed number of chunks instead of a budget (for reproducible runs).
+        reduction: ``"mean"`` or ``"sum"``, where ``loss_fn`` does not say.
+        batch_dim: the batch dimension of every input and target tensor.
+        split: a custom split, as in ``sm.pooled_train_step``.
+
+    Example::
+
+        >>> import torch, sharedmem as sm
+        >>> model = torch.nn.Linear(16, 4)
+        >>> step = sm.fit_step(model, torch.nn.functional.mse_loss, chunks=4)
+        >>> x, y = torch.randn(32, 16), torch.randn(32, 4)
+        >>> loss = step(x, y)
+        >>> step.chunks_for(x, y), loss.shape
+        (4, torch.Size([]))
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"sharedmem: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if budget is None and chunks is None:
+        raise ValueError("sharedmem: fit_step needs budget=... (bytes or 'free') or chunks=N")
+    splitter = Splitter(batch_dim, split)
+    return FitStep(
+        model, loss_fn, budget=budget, chunks=chunks, reduction=reduction, splitter=splitter
+    )

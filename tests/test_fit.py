@@ -1,0 +1,396 @@
+"""Fitting a batch to a memory budget: chunks chosen before running, exact gradients.
+
+Grouped by behaviour: the accumulated gradients and loss are the whole batch's; the chosen
+count is the fewest that fits and never breaks a limit; a batch that cannot fit is refused
+before anything runs; what chunking changes is said once; evaluation is chunked too; bad
+arguments are refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from conftest import allocator_peak
+from torch import nn
+
+import sharedmem as sm
+
+F = nn.functional
+
+
+def mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(12, 48), nn.Tanh(), nn.Linear(48, 48), nn.GELU(), nn.Linear(48, 5)
+    )
+
+
+def cnn(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.GroupNorm(2, 8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 5),
+    )
+
+
+class Tagger(nn.Module):
+    """A GRU over (batch, time, features) with a per-step head: a sequence model."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.rnn = nn.GRU(6, 16, batch_first=True)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0]).mean(dim=1)
+
+
+MODELS: dict[str, Callable[[int], nn.Module]] = {"mlp": mlp, "cnn": cnn, "gru": Tagger}
+
+
+def data(kind: str, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = {"mlp": (n, 12), "cnn": (n, 3, 8, 8), "gru": (n, 7, 6)}[kind]
+    return torch.randn(shape, generator=gen), torch.randn(n, 5, generator=gen)
+
+
+def grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def eager_grads(
+    model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: object, y: object
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], rel: float, what: str) -> None:
+    assert len(got) == len(want), what
+    for g, w in zip(got, want, strict=True):
+        scale = w.abs().max().item() or 1.0
+        assert (g - w).abs().max().item() <= rel * scale, what
+
+
+# ---- the accumulated gradients and loss are the whole batch's ----------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_gradients_equal_the_whole_batchs_in_float64(
+    kind: str, reduction: str, seed: int, rng: np.random.Generator
+) -> None:
+    torch.set_default_dtype(torch.float64)
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        loss_fn = nn.MSELoss(reduction=reduction)
+        for trial in range(3):
+            n = int(rng.integers(2, 23))
+            chunks = int(rng.integers(2, n + 1))
+            x, y = data(kind, n, gen)
+            want_loss, want = eager_grads(MODELS[kind](seed), loss_fn, x, y)
+            what = f"seed {seed} trial {trial}: {kind} batch {n} in {chunks} chunks ({reduction})"
+            pooled_model = MODELS[kind](seed)
+            pool = sm.BufferPool("cpu")
+            step = sm.pooled_train_step(pooled_model, loss_fn, pool=pool, chunks=chunks)
+            loss = step(x, y)
+            assert step.chunks_for(x, y) == chunks
+            assert loss.item() == pytest.approx(want_loss.item(), rel=1e-12), what
+            assert_close(grads(pooled_model), want, 1e-6, what)
+            eager_model = MODELS[kind](seed)
+            loss = sm.fit_step(eager_model, loss_fn, chunks=chunks)(x, y)
+            assert loss.item() == pytest.approx(want_loss.item(), rel=1e-12), what
+            assert_close(grads(eager_model), want, 1e-6, what)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_gradients_add_into_existing_grads_as_backward_does() -> None:
+    torch.set_default_dtype(torch.float64)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        batches = [data("mlp", 10, gen) for _ in range(3)]
+        ref = mlp(0)
+        for x, y in batches:  # gradient accumulation over three batches, eager
+            F.mse_loss(ref(x), y).backward()
+        for make_step in (
+            lambda m: sm.pooled_train_step(m, F.mse_loss, pool=sm.BufferPool("cpu"), chunks=3),
+            lambda m: sm.fit_step(m, F.mse_loss, chunks=4),
+        ):
+            model = mlp(0)
+            step = make_step(model)
+            for x, y in batches:
+                step(x, y)
+            assert_close(grads(model), grads(ref), 1e-6, "accumulated over three batches")
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_users_split_weights_padded_sequences_by_their_tokens() -> None:
+    # A token-level mean over padded sequences: chunks must weigh their real tokens, not
+    # their sequences. The user's split says so.
+    torch.set_default_dtype(torch.float64)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        lengths = torch.tensor([7, 2, 5, 1, 6, 3])
+        x = torch.randn(6, 7, 6, generator=gen)
+        mask = (torch.arange(7)[None, :] < lengths[:, None]).to(torch.float64)
+        y = torch.randn(6, 7, 5, generator=gen)
+
+        class PerStep(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                torch.manual_seed(1)
+                self.head = nn.Linear(6, 5)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.head(x)
+
+        def token_mean(
+            out: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]
+        ) -> torch.Tensor:
+            y, m = target
+            return (((out - y) ** 2).sum(-1) * m).sum() / m.sum()
+
+        def split(
+            inputs: torch.Tensor, targets: tuple[torch.Tensor, torch.Tensor], n: int
+        ) -> list[tuple[object, ...]]:
+            y, m = targets
+            total = m.sum()
+            return [
+                (xs, (ys, ms), (ms.sum() / total).item())
+                for xs, ys, ms in zip(inputs.chunk(n), y.chunk(n), m.chunk(n), strict=True)
+            ]
+
+        want_loss, want = eager_grads(PerStep(), token_mean, x, (y, mask))
+        for make_step in (
+            lambda m: sm.pooled_train_step(
+                m, token_mean, pool=sm.BufferPool("cpu"), chunks=3, split=split
+            ),
+            lambda m: sm.fit_step(m, token_mean, chunks=3, split=split),
+        ):
+            model = PerStep()
+            loss = make_step(model)(x, (y, mask))
+            assert loss.item() == pytest.approx(want_loss.item(), rel=1e-12)
+            assert_close(grads(model), want, 1e-6, "token-weighted chunks")
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_the_loss_functions_own_reduction_is_read() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x, y = data("mlp", 12, gen)
+    labels = torch.randint(0, 5, (12,), generator=gen)
+    cases: list[tuple[Callable[..., torch.Tensor], object]] = [
+        (nn.MSELoss(reduction="sum"), y),
+        (functools.partial(F.mse_loss, reduction="sum"), y),
+        (F.cross_entropy, labels),
+        (nn.CrossEntropyLoss(label_smoothing=0.1), labels),
+    ]
+    for loss_fn, targets in cases:
+        want_loss, want = eager_grads(mlp(0), loss_fn, x, targets)
+        model = mlp(0)
+        loss = sm.fit_step(model, loss_fn, chunks=4)(x, targets)
+        assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5), loss_fn
+        assert_close(grads(model), want, 1e-5, repr(loss_fn))
+
+
+# ---- the count chosen is the fewest that fits, and never breaks a limit -------------------------
+
+
+def planned_pool_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """What the unchunked step's plan would reserve on an empty pool, pages included."""
+    pool = sm.BufferPool("cpu")
+    plan = sm.pooled_train_step(model, F.mse_loss, pool=pool).memory_plan(x, y)
+    return pool.reserved_after(plan.slot_bytes)
+
+
+def test_under_half_the_unchunked_plan_no_limit_is_broken_over_varying_shapes(
+    seed: int, rng: np.random.Generator
+) -> None:
+    torch.manual_seed(seed)
+    model = nn.Sequential(  # over (batch, features, time): sequences of any length
+        nn.Conv1d(6, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv1d(32, 32, 3, padding=1),
+        nn.Tanh(),
+        nn.AdaptiveAvgPool1d(1),
+        nn.Flatten(),
+        nn.Linear(32, 5),
+    )
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(64, 6, 40), torch.randn(64, 5)  # the run's biggest batch
+    unchunked = planned_pool_bytes(model, x, y)
+    pool = sm.BufferPool("cpu", limit=unchunked // 2)
+    step = sm.pooled_train_step(model, F.mse_loss, pool=pool, budget="free")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for trial in range(12):
+        n, t = int(rng.integers(8, 65)), int(rng.integers(5, 41))
+        x, y = torch.randn(n, 6, t, generator=gen), torch.randn(n, 5, generator=gen)
+        opt.zero_grad()
+        step(x, y)  # an OutOfMemoryError here fails the test: that is the point
+        opt.step()
+        reserved = pool.stats()["peak_reserved_bytes"]
+        assert reserved <= unchunked // 2, f"seed {seed} trial {trial}: {reserved:,} bytes"
+    assert max(step.chosen.values()) > 1, step.report()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_the_chosen_count_is_the_fewest_the_pools_limit_allows(kind: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = data(kind, 96, gen)
+    unchunked = planned_pool_bytes(MODELS[kind](0), x, y)
+    for share in (0.75, 0.5):
+        limit = int(unchunked * share)
+        step = sm.pooled_train_step(
+            MODELS[kind](0), F.mse_loss, pool=sm.BufferPool("cpu", limit=limit), budget="free"
+        )
+        chosen = step.chunks_for(x, y)
+        assert step.pool.stats()["reserved_bytes"] == 0, "choosing allocates nothing"
+        assert chosen > 1
+        step(x, y)  # fits
+        fewer = sm.pooled_train_step(
+            MODELS[kind](0), F.mse_loss, pool=sm.BufferPool("cpu", limit=limit), chunks=chosen - 1
+        )
+        with pytest.raises(sm.OutOfMemoryError):
+            fewer(x, y)  # one chunk fewer passes the limit: the choice was the fewest
+
+
+def test_the_same_budget_and_shapes_give_the_same_chunks() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = data("cnn", 40, gen)
+    counts = set()
+    for _ in range(2):
+        step = sm.pooled_train_step(cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=200_000)
+        counts.add(step.chunks_for(x, y))
+        step(x, y)
+        counts.add(step.chunks_for(x, y))
+    assert len(counts) == 1
+
+
+def test_an_eager_budget_bounds_the_allocators_peak() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = data("mlp", 256, gen)
+    whole = allocator_peak(lambda: F.mse_loss(mlp(0)(x), y).backward())
+    for share in (0.5, 0.25):
+        budget = int(whole * share)
+        model = mlp(0)
+        step = sm.fit_step(model, F.mse_loss, budget=budget)
+        assert step.chunks_for(x, y) > 1
+        assert allocator_peak(functools.partial(step, x, y)) <= budget
+
+
+def test_a_larger_budget_never_takes_more_chunks() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = data("mlp", 64, gen)
+    step = sm.fit_step(mlp(0), F.mse_loss, budget=10**9)
+    counts = []
+    for budget in (30_000, 40_000, 80_000, 160_000, 10**9):
+        step.budget = budget
+        counts.append(step.chunks_for(x, y))
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 1, counts
+
+
+# ---- a batch that cannot fit is refused before anything runs -----------------------------------
+
+
+def test_one_example_too_big_is_refused_before_running_naming_the_shortfall() -> None:
+    model = nn.Sequential(nn.Linear(12, 48), nn.LayerNorm(48), nn.Linear(48, 5))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(model, F.mse_loss, pool=pool, budget=1024)
+    gen = torch.Generator().manual_seed(0)
+    x, y = data("mlp", 16, gen)
+    with pytest.raises(sm.OutOfMemoryError) as failure:
+        step(x, y)
+    message = str(failure.value)
+    assert "before running" in message and "more than the budget" in message
+    assert "pool buffers" in message and "gradients" in message
+    assert pool.stats()["reserved_bytes"] == 0
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(sm.OutOfMemoryError, match="budget"):
+        sm.fit_step(model, F.mse_loss, budget=64)(x, y)
+
+
+# ---- what chunking changes is said once ---------------------------------------------------------
+
+
+def test_batch_norm_in_training_mode_is_named_once() -> None:
+    model = nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8), nn.Linear(8, 5))
+    step = sm.pooled_train_step(model, F.mse_loss, pool=sm.BufferPool("cpu"), chunks=2)
+    gen = torch.Generator().manual_seed(0)
+    x, y = data("mlp", 8, gen)
+    with pytest.warns(UserWarning, match="batch norm"):
+        step(x, y)
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")
+        step(x, y)  # said once
+
+
+def test_an_unknown_reduction_is_assumed_a_mean_and_said_and_none_is_refused() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = data("mlp", 8, gen)
+
+    def my_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).mean()
+
+    step = sm.pooled_train_step(mlp(0), my_loss, pool=sm.BufferPool("cpu"), chunks=2)
+    with pytest.warns(UserWarning, match="reduction='sum'"):
+        step(x, y)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        sm.fit_step(mlp(0), nn.MSELoss(reduction="none"), chunks=2)
+
+
+# ---- evaluation is chunked too ------------------------------------------------------------------
+
+
+def test_a_chunked_forward_joins_the_outputs_along_the_batch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, _ = data("cnn", 30, gen)
+    model = cnn(0).eval()
+    with torch.no_grad():
+        want = model(x)
+    fwd = sm.pooled_forward(model, pool=sm.BufferPool("cpu"), chunks=4)
+    torch.testing.assert_close(fwd(x), want)
+    budgeted = sm.pooled_forward(model, pool=sm.BufferPool("cpu"), budget=40_000)
+    torch.testing.assert_close(budgeted(x), want)
+    assert budgeted.chunks_for(x) > 1, budgeted.report()
+
+
+# ---- bad arguments ------------------------------------------------------------------------------
+
+
+def test_bad_arguments_say_what_is_wrong() -> None:
+    pool = sm.BufferPool("cpu")
+    for kwargs, error, text in [
+        ({"budget": -1}, ValueError, "budget"),
+        ({"budget": True}, ValueError, "budget"),
+        ({"budget": "all"}, ValueError, "budget"),
+        ({"chunks": 0}, ValueError, "chunks"),
+        ({"budget": 10, "chunks": 2}, ValueError, "not both"),
+        ({"chunks": 2, "batch_dim": -1}, ValueError, "batch_dim"),
+        ({"chunks": 2, "split": 3}, TypeError, "split"),
+        ({"chunks": 2, "reduction": "max"}, ValueError, "reduction"),
+    ]:
+        with pytest.raises(error, match=f"^sharedmem: .*{text}"):
+            sm.pooled_train_step(mlp(0), F.mse_loss, pool=pool, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^sharedmem: fit_step needs"):
+        sm.fit_step(mlp(0), F.mse_loss)
+    with pytest.raises(TypeError, match=r"^sharedmem: model"):
+        sm.fit_step(object(), F.mse_loss, chunks=2)  # type: ignore[arg-type]
+    step = sm.fit_step(mlp(0), F.mse_loss, chunks=2)
+    with pytest.raises(ValueError, match=r"^sharedmem: the inputs hold 8 examples .* targets 6"):
+        step(torch.randn(8, 12), torch.randn(6, 5))
+    with pytest.raises(ValueError, match=r"^sharedmem: to split a batch"):
+        step(torch.randn(8, 12), torch.tensor(1.0))
