@@ -14,7 +14,7 @@ from ._devices import available_devices
 from ._errors import OutOfMemoryError, SharedMemError
 from ._executor import pooled_forward, pooled_train_step
 from ._offload import save_on_pool
-from ._planning import MemoryEstimate, estimate
+from ._planning import MemoryEstimate, MemoryTracker, PhaseMemory, estimate, track_memory
 from ._pool import BufferPool
 from ._synced import Head, SyncedMemory
 
@@ -25,7 +25,9 @@ __all__ = [
     "BufferPool",
     "Head",
     "MemoryEstimate",
+    "MemoryTracker",
     "OutOfMemoryError",
+    "PhaseMemory",
     "SharedMemError",
     "SyncedMemory",
     "__version__",
@@ -35,4 +37,5 @@ __all__ = [
     "pooled_forward",
     "pooled_train_step",
     "save_on_pool",
+    "track_memory",
 ]

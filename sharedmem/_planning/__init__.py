@@ -1,9 +1,18 @@
 """Planning: knowing a step's memory before running it (``estimate``), built on the
 executor's trace and plan. Modules: ``live`` (counting live bytes under fake tensors),
-``estimate`` (the estimate and its report)."""
+``estimate`` (the estimate and its report), ``storages`` (counting a real loop's storages by
+what they are), ``track`` and ``track_report`` (the per-phase tracker and its report)."""
 
 from __future__ import annotations
 
 from .estimate import CATEGORIES, MemoryEstimate, estimate
+from .track import MemoryTracker, PhaseMemory, track_memory
 
-__all__ = ["CATEGORIES", "MemoryEstimate", "estimate"]
+__all__ = [
+    "CATEGORIES",
+    "MemoryEstimate",
+    "MemoryTracker",
+    "PhaseMemory",
+    "estimate",
+    "track_memory",
+]
