@@ -22,50 +22,11 @@ from torch import nn
 
 from .._errors import SharedMemError
 from .storages import StorageLedger, TrackedStorage
-from .track_report import format_report
+from .track_report import PhaseMemory, format_report
 
 __all__ = ["MemoryTracker", "PhaseMemory", "track_memory"]
 
 _ACTIVE: list[MemoryTracker] = []  # at most one: the dispatch mode and the patches are global
-
-
-@dataclass(frozen=True)
-class PhaseMemory:
-    """One phase of a tracked loop, in bytes by category (``sm.estimate``'s ``CATEGORIES``).
-
-    Every storage is counted once (views share it), by what it is: a parameter or buffer of
-    the model, a ``.grad``, a tensor of ``optimizer.state``, an input (given to the model, or
-    made before the forward and read by the loss), an activation (held by autograd for
-    backward), else a temporary.
-
-    Attributes:
-        name: ``zero_grad``, ``forward``, ``loss``, ``backward``, ``step`` (found), a name
-            given to ``MemoryTracker.phase``, or ``other``: between phases, where something
-            was made or freed (a batch loaded, a result dropped).
-        step: how many optimizer steps (without an optimizer: backward passes) had ended when
-            the phase began.
-        before: what was live when it began.
-        live: what was live when it ended.
-        peak: what was live at the moment the phase's total was highest.
-    """
-
-    name: str
-    step: int
-    before: dict[str, int]
-    live: dict[str, int]
-    peak: dict[str, int]
-
-    @property
-    def before_total(self) -> int:
-        return sum(self.before.values())
-
-    @property
-    def live_total(self) -> int:
-        return sum(self.live.values())
-
-    @property
-    def peak_total(self) -> int:
-        return sum(self.peak.values())
 
 
 @dataclass(eq=False)

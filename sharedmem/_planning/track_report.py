@@ -1,4 +1,5 @@
-"""The tracker's report: per-phase tables, and what the first step's phases added, in words.
+"""The tracker's record of a phase (``PhaseMemory``) and its report: per-phase tables, and
+what the first step's phases added, in words.
 
 The words answer the questions ``torch.cuda.memory_stats`` leaves open about a loop: what
 the forward keeps, why the highest total rose at the loss, what backward holds beyond the
@@ -8,15 +9,52 @@ saved tensors, and what the extra memory after the first optimizer step is.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from .._pool.report import human_bytes
 from .estimate import CATEGORIES
 
-if TYPE_CHECKING:
-    from .track import PhaseMemory
+__all__ = ["PhaseMemory", "format_report"]
 
-__all__ = ["format_report"]
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """One phase of a tracked loop, in bytes by category (``sm.estimate``'s ``CATEGORIES``).
+
+    Every storage is counted once (views share it), by what it is: a parameter or buffer of
+    the model, a ``.grad``, a tensor of ``optimizer.state``, an input (given to the model, or
+    made before the forward and read by the loss), an activation (held by autograd for
+    backward), else a temporary.
+
+    Attributes:
+        name: ``zero_grad``, ``forward``, ``loss``, ``backward``, ``step`` (found), a name
+            given to ``MemoryTracker.phase``, or ``other``: between phases, where something
+            was made or freed (a batch loaded, a result dropped).
+        step: how many optimizer steps (without an optimizer: backward passes) had ended when
+            the phase began.
+        before: what was live when it began.
+        live: what was live when it ended.
+        peak: what was live at the moment the phase's total was highest.
+    """
+
+    name: str
+    step: int
+    before: dict[str, int]
+    live: dict[str, int]
+    peak: dict[str, int]
+
+    @property
+    def before_total(self) -> int:
+        return sum(self.before.values())
+
+    @property
+    def live_total(self) -> int:
+        return sum(self.live.values())
+
+    @property
+    def peak_total(self) -> int:
+        return sum(self.peak.values())
+
 
 _HEADINGS = ("params", "grads", "optim", "inputs", "saved", "temps")
 _LEGEND = (
@@ -101,8 +139,9 @@ def _answers(phases: Sequence[PhaseMemory]) -> list[str]:
         rose = {c: _signed(top[c] - start[c]) for c in ("gradients", "temporaries")}
         answers.append(
             f"backward: peaked {human_bytes(backward.peak_total - backward.before_total)} above "
-            f"its start, beyond the saved tensors: gradients {rose['gradients']}, temporaries "
-            f"{rose['temporaries']} (gradients on their way back); saved tensors went from "
+            f"its start; beyond the saved tensors, at the peak: temporaries "
+            f"{rose['temporaries']} (gradients on their way back, partial sums included), "
+            f".grad {rose['gradients']}; saved tensors went from "
             f"{human_bytes(start['activations'])} to {human_bytes(top['activations'])} at the "
             f"peak and {human_bytes(backward.live['activations'])} at the end"
         )
