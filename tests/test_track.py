@@ -74,17 +74,23 @@ def marker(k: int) -> None:
         torch.empty(MARK + 2 * k, dtype=torch.uint8)
 
 
-def allocator_at_markers(prof: profile) -> list[int]:
-    """The running sum of the timeline just before each marker, in marker order."""
-    live, at = 0, {}
+def allocator_at_markers(prof: profile) -> tuple[list[int], list[int]]:
+    """The running sum of the timeline at each marker, and its highest value between each
+    marker and the next (the markers' own bytes left out)."""
+    live, at, peaks = 0, [], []
     for _, action, _, size in prof._memory_profile().timeline:
+        if size >= MARK and size % 2:
+            if action == Action.CREATE:
+                peaks.append(live)
+                at.append(live)
+            continue
         if action == Action.CREATE:
-            if size >= MARK and size % 2:
-                at[(size - MARK) // 2] = live
             live += size
         elif action == Action.DESTROY:
             live -= size
-    return [at[k] for k in sorted(at)]
+        if peaks:
+            peaks[-1] = max(peaks[-1], live)
+    return at, peaks[:-1]
 
 
 def train(
@@ -112,9 +118,11 @@ def train(
 # -- the totals are the allocator's ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [mlp, cnn, Recurrent])
-@pytest.mark.parametrize("optimizer", ["adam", "momentum", "none"])
-def test_totals_equal_the_allocators_live_bytes_at_every_phase_boundary(
+@pytest.mark.parametrize(
+    ("make", "optimizer"),
+    [(mlp, "adam"), (mlp, "momentum"), (mlp, "none"), (cnn, "adam"), (Recurrent, "adam")],
+)
+def test_totals_are_the_allocators_at_every_boundary_and_so_are_peaks_without_scratch(
     make: Callable[[], nn.Module], optimizer: str
 ) -> None:
     torch.manual_seed(0)
@@ -132,7 +140,7 @@ def test_totals_equal_the_allocators_live_bytes_at_every_phase_boundary(
             marker(next(counter))
             train(model, opt, 3, lambda: marker(next(counter)))
             marker(next(counter))  # train's return dropped its last batch and results
-    allocator = allocator_at_markers(prof)
+    allocator, allocator_peaks = allocator_at_markers(prof)
     phases = t.phases
     names = ["other", "zero_grad", "forward", "loss", "backward", "step"]
     if opt is None:
@@ -143,7 +151,13 @@ def test_totals_equal_the_allocators_live_bytes_at_every_phase_boundary(
     assert [n - start for n in tracked] == [n - allocator[0] for n in allocator]
     for previous, phase in itertools.pairwise(phases):
         assert phase.before == previous.live  # phases follow each other, nothing between
-    assert all(p.peak_total >= max(p.before_total, p.live_total) for p in phases)
+    # Peaks: an op's own scratch (a convolution's, the scalars an optimizer wraps in tensors)
+    # is the allocator's alone; where there is none, the peaks are the same.
+    for phase, peak in zip(phases, allocator_peaks, strict=True):
+        assert phase.peak_total >= max(phase.before_total, phase.live_total)
+        assert phase.peak_total - start <= peak - allocator[0], phase.name
+        if phase.name != "step" and make is not cnn:
+            assert phase.peak_total - start == peak - allocator[0], phase.name
 
 
 # -- what each tensor is ----------------------------------------------------------------------

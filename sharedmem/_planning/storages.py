@@ -44,6 +44,7 @@ class TrackedStorage:
     role: str | None = None  # one of ROLES once known; it sticks until the next refresh
     saved: int = 0  # how many autograd slots hold it for backward now
     spans: list[list[int]] = field(default_factory=list)  # [from, to) while saved; to=-1 open
+    finalizer: weakref.finalize[..., Any] | None = None
 
     def alive_at(self, moment: int) -> bool:
         return self.born <= moment and (self.died is None or self.died > moment)
@@ -150,7 +151,7 @@ class StorageLedger(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.live += nbytes
             if self.live > self.peak:
                 self.peak, self.peak_at = self.live, self.events
-        weakref.finalize(storage, self._free, key)
+        fresh.finalizer = weakref.finalize(storage, self._free, key)
         return fresh
 
     def adopt(self, tensors: Iterable[tuple[torch.Tensor, str]]) -> None:
@@ -169,6 +170,15 @@ class StorageLedger(TorchDispatchMode):  # type: ignore[no-untyped-call]
             entry.died = self.events
             self.live -= entry.nbytes
             self.freed.append(entry)
+
+    def close(self) -> None:
+        """Stop counting: what is still alive no longer calls back into the ledger."""
+        with self._lock:
+            for entry in self.entries.values():
+                if entry.finalizer is not None:
+                    entry.finalizer.detach()
+            self.entries.clear()
+            self.freed = []
 
     def reset_peak(self) -> None:
         with self._lock:

@@ -174,6 +174,7 @@ class MemoryTracker:
             self._exits.close()
         finally:
             self._ledger.on_read = None
+            self._ledger.close()
             self._state = "done"
             _ACTIVE.remove(self)
 
