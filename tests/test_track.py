@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import HAS_CUDA, requires_cuda
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action
@@ -55,7 +56,10 @@ class Recurrent(nn.Module):
         return self.head(states[:, -1])  # type: ignore[no-any-return]
 
 
-def batch(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(model: nn.Module, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    if device != "cpu":
+        x, y = batch(model)
+        return x.to(device), y.to(device)
     if isinstance(model, Recurrent):
         x = torch.randint(0, 50, (8, 12))
     elif isinstance(model[0], nn.Conv2d):
@@ -94,11 +98,15 @@ def allocator_at_markers(prof: profile) -> tuple[list[int], list[int]]:
 
 
 def train(
-    model: nn.Module, opt: torch.optim.Optimizer | None, steps: int, mark: Callable[[], None]
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    steps: int,
+    mark: Callable[[], None],
+    device: str = "cpu",
 ) -> None:
     """An ordinary loop, with a marker after each phase (a marker is no phase's work)."""
     for _ in range(steps):
-        x, y = batch(model)
+        x, y = batch(model, device)
         mark()
         if opt is not None:
             opt.zero_grad()
@@ -158,6 +166,49 @@ def test_totals_are_the_allocators_at_every_boundary_and_so_are_peaks_without_sc
         assert phase.peak_total - start <= peak - allocator[0], phase.name
         if phase.name != "step" and make is not cnn:
             assert phase.peak_total - start == peak - allocator[0], phase.name
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_totals_are_cuda_memory_allocated_at_every_phase_boundary() -> None:
+    torch.manual_seed(0)
+    model = Recurrent().cuda()
+    opt = torch.optim.Adam(model.parameters())
+    train(model, opt, 1, lambda: None, "cuda")  # cuBLAS's workspace, kept by the allocator
+    allocated: list[int] = []
+
+    def mark() -> None:
+        allocated.append(torch.cuda.memory_allocated())
+
+    with sm.track_memory(model, opt) as t:
+        mark()
+        train(model, opt, 2, mark, "cuda")
+        mark()
+    phases = t.phases
+    assert t.device == "cuda:0" and len(phases) == len(allocated) - 1
+    start = phases[0].before_total
+    assert [p.live_total - start for p in phases] == [n - allocated[0] for n in allocated[1:]]
+    assert all(p.live_total % 512 == 0 for p in phases)  # the caching allocator's blocks
+
+
+def test_the_device_counted_is_the_models_or_the_one_asked_for() -> None:
+    model = mlp()
+    totals = {}
+    for device in (None, "cpu", "emulated"):
+        torch.manual_seed(0)
+        with sm.track_memory(model, device=device) as t:
+            x, y = batch(model)
+            loss = F(model(x), y)
+        totals[device] = [p.live_total for p in t.phases]
+        assert t.device == (device or "cpu")
+    # Plain tensors beside an emulated pool are CPU tensors: the same bytes are counted.
+    assert totals[None] == totals["cpu"] == totals["emulated"] and totals["cpu"][-1] > 0
+    assert loss.requires_grad
+    with pytest.raises(ValueError, match=r"^sharedmem: unknown device 'tpu'"):
+        sm.track_memory(model, device="tpu")
+    if not HAS_CUDA:
+        with pytest.raises(sm.SharedMemError, match=r"^sharedmem: device 'cuda' is not usable"):
+            sm.track_memory(model, device="cuda")
 
 
 # -- what each tensor is ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,14 +74,17 @@ class _Saved:
 
 
 class StorageLedger(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """A dispatch mode keeping every live storage of the loop and the running sum of bytes.
+    """A dispatch mode keeping every live storage of the loop on ``device`` (``"cpu"`` or
+    ``"cuda:N"``: one allocator's memory) and the running sum of their bytes.
 
     ``live`` is what the allocator holds for counted storages now; ``peak`` and ``peak_at``
     are the highest it reached since ``reset_peak`` and the event at which it did.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: str) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.device = device
+        self._rounding = round_for(device)
         self.entries: dict[int, TrackedStorage] = {}  # by id of the storage object
         self.freed: list[TrackedStorage] = []  # died since reset_peak: the peak may hold them
         self.events = 0
@@ -93,7 +96,6 @@ class StorageLedger(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # threads on a GPU), and from the garbage collector in the middle of our own work.
         self._lock = threading.RLock()
         self._aliasing: dict[Any, bool] = {}
-        self._rounding: dict[str, Callable[[int], int]] = {}
 
     # -- counting ----------------------------------------------------------------------
 
@@ -136,13 +138,9 @@ class StorageLedger(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """Count ``storage`` from now on (once); a storage already counted is returned."""
         key = id(storage)
         entry = self.entries.get(key)
-        if entry is not None or storage.device.type == "meta":  # meta: no memory behind it
+        if entry is not None or str(storage.device) != self.device:  # another memory
             return entry
-        device = str(storage.device)
-        rounding = self._rounding.get(device)
-        if rounding is None:
-            rounding = self._rounding[device] = round_for(device)
-        nbytes = rounding(storage.nbytes())
+        nbytes = self._rounding(storage.nbytes())
         fresh = TrackedStorage(nbytes, 0, role=role)  # made before the lock: it may collect
         with self._lock:
             self.events += 1

@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .._devices import DeviceLike, normalize_device
 from .._errors import SharedMemError
 from .storages import StorageLedger, TrackedStorage
 from .track_report import PhaseMemory, format_report
@@ -56,10 +57,14 @@ class MemoryTracker:
     and one set of hooks see the whole process).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
-        self._ledger = StorageLedger()
+        self.device = device
+        # The emulated device's memory is host memory, and plain tensors there are CPU ones.
+        self._ledger = StorageLedger("cpu" if device == "emulated" else device)
         self._segments: list[_Segment] = []
         self._open: _Segment | None = None
         self._stack: list[list[Any]] = []  # [name, depth] of open phases, innermost last
@@ -83,7 +88,7 @@ class MemoryTracker:
     def report(self) -> str:
         """A table a person reads: each phase's live and peak bytes by category, and what
         the first step's loss, backward and optimizer step added."""
-        return format_report(self.phases, _device_of(self.model))
+        return format_report(self.phases, self.device)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -320,7 +325,12 @@ class MemoryTracker:
                 break  # earlier segments ended before it was made
 
 
-def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryTracker:
+def track_memory(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    device: DeviceLike | None = None,
+) -> MemoryTracker:
     """Track where an eager training loop's memory goes, phase by phase.
 
     Use it around an ordinary loop: ``with sm.track_memory(model, optimizer) as t:``. The
@@ -329,20 +339,22 @@ def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     phase (live bytes at its start and end, and at its peak, by category) and ``t.report()``
     prints them with what the first step's loss, backward and optimizer step added.
 
-    Every storage made inside the block is counted once, from the op that made it until
-    Python drops it, by the device allocator's rounding (512-byte blocks on CUDA): at each
-    phase's end the total is exactly what the allocator holds for them. Before the block,
+    Every storage made on ``device`` inside the block is counted once, from the op that made
+    it until Python drops it, by the device allocator's rounding (512-byte blocks on CUDA): at
+    each phase's end the total is exactly what the allocator holds for them. Before the block,
     only the model's parameters and buffers, their gradients and the optimizer's state are
     counted; an input made before the block is counted from its first use. Not seen: an
     op's own scratch memory (freed before it returns, it can raise the allocator's peak
     above ``peak``), and memory made outside PyTorch's ops (``torch.from_numpy``). Inside
     another saved-tensor hook (``torch.utils.checkpoint``, ``sm.save_on_pool``) what that
-    hook keeps counts where it lives, not as activations. Plain tensors have no
-    ``"emulated"`` device: a loop on an emulated pool runs, and is counted, on the CPU.
+    hook keeps counts where it lives, not as activations.
 
     Args:
         model: the model whose calls are the forward phase.
         optimizer: its ``step`` is the step phase and its ``state`` the optimizer state.
+        device: whose memory is counted (one allocator's: a batch still on the host is not
+            a GPU's); the model's by default. ``"emulated"`` counts the CPU's: plain tensors
+            have no emulated device, a loop beside an emulated pool runs on the CPU.
 
     Example::
 
@@ -367,7 +379,8 @@ def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
             f"sharedmem: optimizer must be a torch.optim.Optimizer or None, "
             f"got {type(optimizer).__name__}"
         )
-    return MemoryTracker(model, optimizer)
+    name = normalize_device(_device_of(model) if device is None else device)
+    return MemoryTracker(model, optimizer, name)
 
 
 @contextlib.contextmanager
@@ -387,7 +400,7 @@ def _wrapped(
             object.__delattr__(owner, name)
 
 
-def _device_of(model: nn.Module) -> str:
+def _device_of(model: nn.Module) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
-        return str(tensor.device)
-    return "cpu"
+        return tensor.device
+    return torch.device("cpu")
