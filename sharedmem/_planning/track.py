@@ -30,6 +30,14 @@ __all__ = ["MemoryTracker", "PhaseMemory", "track_memory"]
 _ACTIVE: list[MemoryTracker] = []  # at most one: the dispatch mode and the patches are global
 
 
+@dataclass
+class _Open:
+    """A phase that has begun and not ended; ``depth`` counts its calls inside itself."""
+
+    name: str
+    depth: int = 1
+
+
 @dataclass(eq=False)
 class _Segment:
     """A phase being recorded, and once closed, the moments its figures were taken at."""
@@ -67,7 +75,7 @@ class MemoryTracker:
         self._ledger = StorageLedger("cpu" if device == "emulated" else device)
         self._segments: list[_Segment] = []
         self._open: _Segment | None = None
-        self._stack: list[list[Any]] = []  # [name, depth] of open phases, innermost last
+        self._stack: list[_Open] = []  # the open phases, innermost last
         self._last_closed = ""  # the last phase closed between phases ("forward" -> loss)
         self._forward_start = 0
         self._last_live: tuple[int, dict[str, int]] = (-1, {})
@@ -149,7 +157,7 @@ class MemoryTracker:
     def __exit__(self, *exc: object) -> None:
         try:
             while self._stack:  # an exception left phases open: record them as they are
-                self._leave(self._stack[-1][0], force=True)
+                self._leave(self._stack[-1].name, force=True)
             self._close(name="other")
         finally:
             self._finish()
@@ -241,40 +249,40 @@ class MemoryTracker:
     # -- phases and segments -----------------------------------------------------------
 
     def _in(self, name: str) -> bool:
-        return bool(self._stack) and self._stack[-1][0] == name
+        return bool(self._stack) and self._stack[-1].name == name
 
     def _enter(self, name: str, *, found: bool = True) -> None:
         if self._state != "active" or self._thread != threading.get_ident():
             return
         if found and self._in(name):  # the same phase again inside itself: one phase
-            self._stack[-1][1] += 1
+            self._stack[-1].depth += 1
             return
         if self._stack:
-            self._close(name=self._stack[-1][0])
+            self._close(name=self._stack[-1].name)
         else:
             gap = "loss" if self._last_closed == "forward" and name == "backward" else "other"
             self._close(name=gap)
-        self._stack.append([name, 1])
+        self._stack.append(_Open(name))
         if name in ("forward", "backward"):
             self._ledger.on_read = None
-        if name == "forward" and sum(n == "forward" for n, _ in self._stack) == 1:
+        if name == "forward" and sum(p.name == "forward" for p in self._stack) == 1:
             self._forward_start = self._ledger.events
         self._begin(name)
 
     def _leave(self, name: str, *, force: bool = False) -> None:
         if self._state != "active" or self._thread != threading.get_ident():
             return
-        if not self._stack or self._stack[-1][0] != name:
+        if not self._in(name):
             return  # a phase that began before tracking did (or in another thread)
-        self._stack[-1][1] -= 1
-        if self._stack[-1][1] > 0 and not force:
+        self._stack[-1].depth -= 1
+        if self._stack[-1].depth > 0 and not force:
             return
         self._close(name=name)
         self._stack.pop()
-        if name == "forward" and not any(n == "forward" for n, _ in self._stack):
+        if name == "forward" and not any(p.name == "forward" for p in self._stack):
             self._ledger.on_read = self._loss_reads  # until the next backward or forward
         if self._stack:
-            self._begin(self._stack[-1][0])  # the outer phase goes on
+            self._begin(self._stack[-1].name)  # the outer phase goes on
             return
         self._last_closed = name
         if name == "step" or (name == "backward" and self.optimizer is None):
@@ -293,9 +301,9 @@ class MemoryTracker:
         segment, ledger = self._open, self._ledger
         if segment is None:
             return
-        self._open = None
         for entry in ledger.refresh_roles(self._roles()):
-            self._mend(entry, entry.role)
+            self._mend(entry, entry.role)  # this segment's start included
+        self._open = None
         segment.name = segment.name or name
         segment.end, segment.peak_at = ledger.events, ledger.peak_at
         segment.live = ledger.by_category(segment.end)
