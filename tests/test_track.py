@@ -294,6 +294,21 @@ def test_a_batch_made_in_the_loop_is_an_input_from_when_it_was_made() -> None:
     assert made.live["temporaries"] == 0
 
 
+def test_someone_elses_saved_tensor_hooks_are_left_alone() -> None:
+    model = mlp()
+    x, y = batch(model)
+    packed: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), sm.track_memory(model) as t:
+        F(model(x), y).backward()
+    assert packed  # their hooks saw every saved tensor
+    assert all(p.live["activations"] == p.peak["activations"] == 0 for p in t.phases)
+
+
 # -- phases ------------------------------------------------------------------------------------
 
 

@@ -178,7 +178,12 @@ class MemoryTracker:
                 hooks.enter_context(_wrapped(owner, "zero_grad", self._around("zero_grad")))
         for name in ("backward", "grad"):
             hooks.enter_context(_wrapped(torch.autograd, name, self._around("backward")))
-        hooks.enter_context(torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack))
+        # Under someone else's saved-tensor hooks (an offload, a checkpoint) ours would replace
+        # theirs and change what the loop keeps: then saved tensors count as temporaries.
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            hooks.enter_context(
+                torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack)
+            )
         hooks.enter_context(ledger)
         self._begin("other")
 
@@ -353,9 +358,10 @@ def track_memory(
     only the model's parameters and buffers, their gradients and the optimizer's state are
     counted; an input made before the block is counted from its first use. Not seen: an
     op's own scratch memory (freed before it returns, it can raise the allocator's peak
-    above ``peak``), and memory made outside PyTorch's ops (``torch.from_numpy``). Inside
-    another saved-tensor hook (``torch.utils.checkpoint``, ``sm.save_on_pool``) what that
-    hook keeps counts where it lives, not as activations.
+    above ``peak``), and memory made outside PyTorch's ops (``torch.from_numpy``). Under
+    another saved-tensor hook (``torch.utils.checkpoint``, ``sm.save_on_pool``), inside the
+    block or around it, the tracker leaves that hook alone and what it keeps counts as
+    temporaries where it lives, not as activations.
 
     Args:
         model: the model whose calls are the forward phase.
