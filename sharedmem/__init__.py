@@ -13,7 +13,16 @@ from ._blob import Blob
 from ._devices import available_devices
 from ._errors import OutOfMemoryError, SharedMemError
 from ._offload import save_on_pool
-from ._planning import MemoryEstimate, estimate, fit_step, pooled_forward, pooled_train_step
+from ._planning import (
+    MemoryEstimate,
+    MemoryTracker,
+    PhaseMemory,
+    estimate,
+    fit_step,
+    pooled_forward,
+    pooled_train_step,
+    track_memory,
+)
 from ._pool import BufferPool
 from ._synced import Head, SyncedMemory
 
@@ -24,7 +33,9 @@ __all__ = [
     "BufferPool",
     "Head",
     "MemoryEstimate",
+    "MemoryTracker",
     "OutOfMemoryError",
+    "PhaseMemory",
     "SharedMemError",
     "SyncedMemory",
     "__version__",
@@ -35,4 +46,5 @@ __all__ = [
     "pooled_forward",
     "pooled_train_step",
     "save_on_pool",
+    "track_memory",
 ]

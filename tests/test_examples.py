@@ -23,7 +23,13 @@ def load(name: str) -> ModuleType:
 
 
 def test_every_example_has_a_test() -> None:
-    tested = {"host_staging", "pooled_training", "train_eval_shared", "variable_length"}
+    tested = {
+        "host_staging",
+        "pooled_training",
+        "train_eval_shared",
+        "variable_length",
+        "where_memory_goes",
+    }
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -75,3 +81,19 @@ def test_pooled_training_learns_and_evaluates_on_the_train_buffers(
     assert result["saving"] >= 0.3
     out = capsys.readouterr().out
     assert "BufferPool on" in out and "liveness plan for train step" in out
+
+
+def test_where_memory_goes_explains_each_phase_and_agrees_with_the_estimate(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    result = load("where_memory_goes").main(["--steps", "3"])
+    out = capsys.readouterr().out
+    assert "live at each phase's end" in out and "the estimate (made before running)" in out
+    est, tracked = result["estimate"], result["tracked"]
+    # The loop drops its output before backward, as the estimate assumes: the same peak.
+    assert result["tracked_peak"] == est.train_peak_eager
+    for key in ("parameters", "gradients", "optimizer_state", "inputs", "activations"):
+        assert tracked[key] == est.train_bytes[key], key
+    names = [p.name for p in result["phases"] if p.step == 0]
+    assert names == ["other", "zero_grad", "forward", "loss", "backward", "step"]
+    assert result["last_loss"] < result["first_loss"]
