@@ -17,9 +17,8 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
 from .._errors import SharedMemError
+from .cuda_torch_ops import ops
 
 __all__ = [
     "MATCH_ADVICE",
@@ -194,7 +193,7 @@ def on_device(index: int) -> Iterator[None]:
     driver = bindings().driver
     context = _primary_context(index)
     _used = True
-    with torch.cuda.device(index):
+    with ops().device(index):
         check(driver.cuCtxPushCurrent(context), "cuCtxPushCurrent")
         try:
             yield
