@@ -53,6 +53,10 @@ class TorchCudaOps:
         """``nbytes`` of page-locked host memory from PyTorch's host allocator."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in page-locked host memory."""
+        return tensor.is_pinned()
+
     @contextlib.contextmanager
     def device(self, index: int) -> Iterator[None]:
         """Device ``index`` is PyTorch's current device in the block."""
