@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
-from conftest import requires_cuda, storage_bytes
+from conftest import HAS_CUDA, requires_cuda, requires_gpu, storage_bytes
 
 import sharedmem as sm
+from sharedmem._backends.cuda_torch_ops import ops
 
 F = TypeVar("F", bound=Callable[..., Any])
 BACKENDS = ["vmm", "cudart", "torch"]
@@ -61,7 +62,7 @@ def usable_or_skip(backend: str) -> None:
     from sharedmem._backends import cuda
 
     try:
-        cuda._device_backend(torch.cuda.current_device(), backend)
+        cuda._device_backend(current_device(), backend)
     except sm.SharedMemError as error:
         pytest.skip(str(error))
 
@@ -70,15 +71,26 @@ def vmm_or_skip() -> None:
     usable_or_skip("vmm")
 
 
+def current_device() -> int:
+    return ops().current_device()
+
+
 def settle_garbage() -> None:
     gc.collect()
-    torch.cuda.synchronize()
+    ops().synchronize(current_device())
+
+
+def keep_the_device_busy() -> None:
+    """Make the producer still busy when the next copy is issued (on the stand-in, copies
+    on a side stream always run late)."""
+    if HAS_CUDA:
+        torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
 
 
 @on_gpu
 def test_default_backend_is_vmm_where_the_device_supports_it() -> None:
     cuda = cuda_modules()
-    index = torch.cuda.current_device()
+    index = current_device()
     expected = cuda.usable_backends(index)[0]
     assert expected == "vmm" or not cuda.vmm_supported(index)
     placement = sm.SyncedMemory(device="cuda").placement
@@ -213,15 +225,15 @@ def test_the_host_side_is_pinned_and_grows_in_place(backend: str) -> None:
     usable_or_skip(backend)
     m = sm.SyncedMemory(4096, device="cuda", backend=backend)
     first = m.mutable_host_data()
-    assert first.is_pinned()
+    assert ops().is_pinned(first)
     m.set_size(64 * MiB)
     grown = m.mutable_host_data()
-    assert grown[-4096:].is_pinned() and grown.is_pinned()
+    assert ops().is_pinned(grown[-4096:]) and ops().is_pinned(grown)
     if m.placement.host.kind == "pinned":
         assert grown.data_ptr() == first.data_ptr() and m.grow_copy_bytes == 0
     m.set_size(MiB)
     m.shrink_to_fit()
-    assert m.host_data().is_pinned()
+    assert ops().is_pinned(m.host_data())
 
 
 @on_gpu
@@ -230,10 +242,10 @@ def test_async_copies_on_a_side_stream_wait_for_the_producer(backend: str) -> No
     usable_or_skip(backend)
     size = 64 * MiB
     m = sm.SyncedMemory(size, device="cuda", backend=backend)
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream = ops().new_stream(current_device())
     for value, given in ((1, stream), (2, stream.cuda_stream), (3, None)):
         view = m.mutable_device_data()
-        torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]  # the producer is still busy when the pull is issued
+        keep_the_device_busy()
         view.fill_(value)
         m.pull_async(given)
         host = m.host_data()
@@ -288,7 +300,7 @@ def test_vmm_runs_out_of_physical_memory_inside_its_reservation() -> None:
     from sharedmem._backends.cuda_vmm import VmmBackend
 
     default = sm.SyncedMemory(device="cuda", backend="vmm").placement
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    total = ops().total_memory(current_device())
     backend = VmmBackend(default.device, reservation=2 * total)
     m = sm.SyncedMemory(100, placement=Placement(default.device, default.host, backend))
     m.mutable_device_data().fill_(4)
@@ -365,6 +377,7 @@ def test_cuda_n_allocates_on_device_n(backend: str) -> None:
 
 
 @on_gpu
+@requires_gpu  # the stand-in has no caching allocator statistics
 def test_the_torch_backend_is_seen_by_the_caching_allocator() -> None:
     index = torch.cuda.current_device()
     before = torch.cuda.memory_stats(index).get("allocated_bytes.all.current", 0)

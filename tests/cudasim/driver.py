@@ -17,8 +17,17 @@ from typing import Any
 from cuda.bindings import driver as real_driver
 from cuda.bindings import runtime as real_runtime
 
-from .memory import GRANULARITY, PAGE, DeviceMemory, Handle, Mapping, Reservation
-from .memory import make_accessible, make_inaccessible, make_read_only
+from .memory import (
+    GRANULARITY,
+    PAGE,
+    DeviceMemory,
+    Handle,
+    Mapping,
+    Reservation,
+    make_accessible,
+    make_inaccessible,
+    make_read_only,
+)
 
 R = real_driver.CUresult
 E = real_runtime.cudaError_t
@@ -333,7 +342,8 @@ class SimulatedRuntime:
 
     def cudaFree(self, devPtr: Any) -> tuple[Any]:
         self._flush()  # cudaFree waits for the device, as documented
-        return (E.cudaSuccess,) if self.free(_pointer(devPtr, "devPtr")) else (E.cudaErrorInvalidValue,)
+        freed = self.free(_pointer(devPtr, "devPtr"))
+        return (E.cudaSuccess,) if freed else (E.cudaErrorInvalidValue,)
 
     def malloc(self, size: int) -> int | None:
         """``size`` bytes of mapped device memory (256-byte aligned, as cudaMalloc is)."""

@@ -185,7 +185,12 @@ class DeviceMemory:
         return covered == size
 
     def is_registered(self, address: int, size: int) -> bool:
-        return any(a <= address and address + size <= a + n for a, n in self.registered.items())
+        """Whether registrations (one, or several back to back) cover the whole range."""
+        end = address
+        for at, length in sorted(self.registered.items()):
+            if at <= end < at + length:
+                end = at + length
+        return end >= address + size
 
     def leaks(self) -> list[str]:
         """What is still held: after every memory is gone, a backend that leaks shows here."""
