@@ -147,7 +147,9 @@ def _cuda_stand_in(request: pytest.FixtureRequest) -> Iterator[Any]:
 
     with SimulatedCuda() as cuda:
         yield cuda
-    assert cuda.leaks() == [], cuda.leaks()
+    report = getattr(request.node, "rep_call", None)
+    if report is None or report.passed:  # a failed test's traceback still holds its memories
+        assert cuda.leaks() == [], cuda.leaks()
 
 
 @pytest.fixture
