@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import mmap
 import threading
 from dataclasses import dataclass, field
@@ -79,6 +80,34 @@ def make_inaccessible(address: int, size: int) -> None:
     _checked(_libc.mprotect(address, size, _PROT_NONE), "mprotect")
 
 
+class Critical:
+    """A lock for the driver's records that also holds off Python's garbage collector.
+
+    The real driver is C code that no finalizer interrupts. Here a collection could run in
+    the middle of a call and free a memory (its finalizer calls the driver again, on this
+    thread) while the records are half changed; so the collector waits until no thread is
+    inside.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._inside = 0
+        self._was_enabled = False
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        if self._inside == 0:
+            self._was_enabled = gc.isenabled()
+            gc.disable()
+        self._inside += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._inside -= 1
+        if self._inside == 0 and self._was_enabled:
+            gc.enable()
+        self._lock.release()
+
+
 @dataclass
 class Handle:
     """Physical memory from ``cuMemCreate``."""
@@ -120,7 +149,7 @@ class DeviceMemory:
         self.allocations: dict[int, int] = {}  # cudaMalloc'd address -> size
         self.registered: dict[int, int] = {}  # host address -> size (cuMemHostRegister)
         self.next_handle = 1
-        self.lock = threading.RLock()
+        self.lock = Critical()
 
     # ---- address space ----------------------------------------------------------------------
 

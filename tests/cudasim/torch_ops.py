@@ -56,8 +56,12 @@ class SimulatedStream:
     def run_until(self, mark: int) -> None:
         with self._lock:
             while self.done < mark:
-                self._queue.pop(0)()
+                # Counted before it runs: dropping the operation may free a memory, whose
+                # finalizer synchronizes (runs this queue) again on this thread.
+                operation = self._queue.pop(0)
                 self.done += 1
+                operation()
+                del operation
 
     def synchronize(self) -> None:
         self.run_until(self.issued)
