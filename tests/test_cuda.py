@@ -1,4 +1,5 @@
-"""CUDA backends on a GPU: what needs one is marked ``cuda`` and skipped without one.
+"""CUDA backends on a GPU: marked ``cuda``; without a GPU they run on the CUDA stand-in
+(tests/cudasim), and the few that need PyTorch's own CUDA are skipped there.
 
 The generic state-machine, invariant and growth tests already run on every CUDA backend
 through ``TWO_SIDED`` / ``ALL_PLACEMENTS``; this file checks what only CUDA has: stable
@@ -385,3 +386,38 @@ def test_the_torch_backend_is_seen_by_the_caching_allocator() -> None:
     m.mutable_device_data()
     after = torch.cuda.memory_stats(index)["allocated_bytes.all.current"]
     assert after - before >= m.device_capacity >= 8 * MiB
+
+
+# ---- what the stand-in can arrange and a GPU cannot on demand -------------------------------
+
+
+@on_gpu
+def test_pinning_refused_by_the_driver_is_out_of_memory_and_keeps_every_byte(
+    cuda_sim: Any,
+) -> None:
+    m = sm.SyncedMemory(64 << 10, device="cuda", backend="vmm")
+    m.mutable_host_data().fill_(5)
+    cuda_sim.memory.pinned_capacity = sum(cuda_sim.memory.registered.values()) + (64 << 10)
+    m.set_size(8 * MiB)
+    with pytest.raises(sm.OutOfMemoryError, match="Could not pin host memory for cuda:0"):
+        m.mutable_host_data()
+    m.set_size(64 << 10)
+    assert m.host_data().tolist() == [5] * (64 << 10)
+
+
+@on_gpu
+def test_memory_freed_during_a_graph_capture_goes_back_at_the_next_allocation(
+    cuda_sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = sm.SyncedMemory(MiB, device="cuda", backend="vmm")
+    m.mutable_device_data().fill_(1)
+    meter = device_of(m).meter
+    held = meter.held
+    monkeypatch.setattr(cuda_sim.ops, "capturing", lambda: True)
+    m.release()  # synchronizing is illegal while capturing: the free waits
+    gc.collect()
+    assert meter.held == held
+    monkeypatch.setattr(cuda_sim.ops, "capturing", lambda: False)
+    other = sm.SyncedMemory(MiB, device="cuda", backend="vmm")
+    other.mutable_device_data()
+    assert meter.held == held  # the queued free ran first: one buffer's worth is held
