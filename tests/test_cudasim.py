@@ -194,7 +194,7 @@ def test_calls_check_the_types_and_fields_they_are_given(sim: SimulatedCuda) -> 
     prop = allocation_prop(0)
     prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
     assert name(driver.cuMemCreate(G, prop, 0)) == "CUDA_ERROR_INVALID_VALUE"
-    assert name(driver.cuMemCreate(G, allocation_prop(1), 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemCreate(G, allocation_prop(2), 0)) == "CUDA_ERROR_INVALID_VALUE"
     address = reserve(sim, G)
     driver.cuMemMap(address, G, 0, create(sim), 0)
     desc = access_desc(0)

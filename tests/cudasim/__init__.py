@@ -52,16 +52,17 @@ class SimulatedCuda:
     Args:
         capacity: bytes of device memory; more is refused with ``CUDA_ERROR_OUT_OF_MEMORY``.
         pinned_capacity: bytes of host memory that can be registered (pinned) at once.
-        device_count: how many devices there are (they share one memory).
+        device_count: how many devices there are (two by default, so that ``cuda:N`` code
+            runs; they share one capacity, and the driver knows which device each byte is on).
     """
 
     def __init__(
-        self, *, capacity: int = 1 << 30, pinned_capacity: int = 1 << 34, device_count: int = 1
+        self, *, capacity: int = 1 << 30, pinned_capacity: int = 1 << 34, device_count: int = 2
     ) -> None:
         self.memory = DeviceMemory(capacity, pinned_capacity)
         self.ops = SimulatedTorchOps(self.memory, None, device_count)  # type: ignore[arg-type]
         self.driver = SimulatedDriver(self.memory, device_count, self.ops.flush)
-        self.runtime = SimulatedRuntime(self.memory, device_count, self.ops.flush)
+        self.runtime = SimulatedRuntime(self.memory, self.driver, self.ops.flush)
         self.ops.runtime = self.runtime
         self._previous: tuple[Any, Any, bool] | None = None
 

@@ -35,6 +35,7 @@ OK = R.CUDA_SUCCESS
 INVALID = R.CUDA_ERROR_INVALID_VALUE
 OOM = R.CUDA_ERROR_OUT_OF_MEMORY
 VERSION = 13040  # the CUDA version the simulated driver and runtime report
+_CONTEXT = 0x1000  # device N's primary context is CUcontext(_CONTEXT + N)
 
 
 def _int(value: object, what: str) -> int:
@@ -82,6 +83,10 @@ class SimulatedDriver:
     def _current(self) -> bool:
         return bool(self._stack())
 
+    def current_device(self) -> int:
+        """The device of the context current to this thread (0 when none is)."""
+        return self._stack()[-1] - _CONTEXT if self._stack() else 0
+
     def cuInit(self, flags: int) -> tuple[Any]:
         return (OK if _int(flags, "flags") == 0 else INVALID,)
 
@@ -102,7 +107,7 @@ class SimulatedDriver:
 
     def cuDevicePrimaryCtxRetain(self, dev: Any) -> tuple[Any, Any]:
         index = int(_of(dev, real_driver.CUdevice, "dev"))
-        return OK, real_driver.CUcontext(0x1000 + index)
+        return OK, real_driver.CUcontext(_CONTEXT + index)
 
     def cuCtxPushCurrent(self, ctx: Any) -> tuple[Any]:
         self._stack().append(int(_of(ctx, real_driver.CUcontext, "ctx")))
@@ -125,8 +130,8 @@ class SimulatedDriver:
         if attribute != real_driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
             raise NotImplementedError(f"cudasim: cuPointerGetAttribute({attribute.name})")
         with self.memory.lock:
-            known = self.memory.is_device_memory(address, 1)
-        return (OK, 0) if known else (INVALID, 0)
+            device = self.memory.device_of(address)
+        return (INVALID, 0) if device is None else (OK, device)
 
     # ---- virtual memory management ----------------------------------------------------------
 
@@ -184,7 +189,7 @@ class SimulatedDriver:
             if not self.memory.charge(size):
                 return OOM, real_driver.CUmemGenericAllocationHandle(0)
             key, self.memory.next_handle = self.memory.next_handle, self.memory.next_handle + 1
-            self.memory.handles[key] = Handle(size)
+            self.memory.handles[key] = Handle(size, prop.location.id)
         return OK, real_driver.CUmemGenericAllocationHandle(key)
 
     def cuMemRelease(self, handle: Any) -> tuple[Any]:
@@ -314,11 +319,15 @@ class SimulatedDriver:
 
 
 class SimulatedRuntime:
-    """``cuda.bindings.runtime``: device count, versions, ``cudaMalloc`` / ``cudaFree``."""
+    """``cuda.bindings.runtime``: device count, versions, ``cudaMalloc`` / ``cudaFree``.
 
-    def __init__(self, memory: DeviceMemory, device_count: int, flush: Callable[[], None]):
+    ``cudaMalloc`` allocates on the device of the driver context current to the thread.
+    """
+
+    def __init__(self, memory: DeviceMemory, driver: SimulatedDriver, flush: Callable[[], None]):
         self.memory = memory
-        self.device_count = device_count
+        self.driver = driver
+        self.device_count = driver.device_count
         self._flush = flush
 
     def __getattr__(self, name: str) -> Any:
@@ -337,7 +346,7 @@ class SimulatedRuntime:
         return E.cudaSuccess, VERSION
 
     def cudaMalloc(self, size: int) -> tuple[Any, int]:
-        address = self.malloc(_int(size, "size"))
+        address = self.malloc(_int(size, "size"), self.driver.current_device())
         return (E.cudaErrorMemoryAllocation, 0) if address is None else (E.cudaSuccess, address)
 
     def cudaFree(self, devPtr: Any) -> tuple[Any]:
@@ -345,7 +354,7 @@ class SimulatedRuntime:
         freed = self.free(_pointer(devPtr, "devPtr"))
         return (E.cudaSuccess,) if freed else (E.cudaErrorInvalidValue,)
 
-    def malloc(self, size: int) -> int | None:
+    def malloc(self, size: int, device: int) -> int | None:
         """``size`` bytes of mapped device memory (256-byte aligned, as cudaMalloc is)."""
         if size <= 0:
             return None
@@ -358,6 +367,7 @@ class SimulatedRuntime:
                 self.memory.used -= span
                 return None
             self.memory.allocations[address] = span
+            self.memory.allocated_on[address] = device
         make_accessible(address, span)
         return address
 
@@ -366,6 +376,7 @@ class SimulatedRuntime:
             span = self.memory.allocations.pop(address, None)
             if span is None:
                 return False
+            del self.memory.allocated_on[address]
             make_inaccessible(address, span)
             self.memory.give_range(address, span)
             self.memory.used -= span

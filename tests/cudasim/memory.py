@@ -113,6 +113,7 @@ class Handle:
     """Physical memory from ``cuMemCreate``."""
 
     size: int
+    device: int
     mappings: int = 0
     released: bool = False
 
@@ -147,6 +148,7 @@ class DeviceMemory:
         self.reservations: dict[int, Reservation] = {}
         self.handles: dict[int, Handle] = {}
         self.allocations: dict[int, int] = {}  # cudaMalloc'd address -> size
+        self.allocated_on: dict[int, int] = {}  # cudaMalloc'd address -> device
         self.registered: dict[int, int] = {}  # host address -> size (cuMemHostRegister)
         self.next_handle = 1
         self.lock = Critical()
@@ -212,6 +214,17 @@ class DeviceMemory:
                     return False
                 covered += overlap
         return covered == size
+
+    def device_of(self, address: int) -> int | None:
+        """The device whose memory is at ``address``, or ``None`` (not device memory)."""
+        for start, length in self.allocations.items():
+            if start <= address < start + length:
+                return self.allocated_on[start]
+        found = self.reservation_at(address, 1)
+        for at, mapping in found[1].mappings.items() if found else ():
+            if at <= address < at + mapping.size:
+                return self.handles[mapping.handle].device
+        return None
 
     def is_registered(self, address: int, size: int) -> bool:
         """Whether registrations (one, or several back to back) cover the whole range."""

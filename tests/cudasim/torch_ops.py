@@ -184,8 +184,7 @@ class SimulatedTorchOps(TorchCudaOps):
         return host_tensor(address, nbytes, memory)
 
     def empty(self, nbytes: int, index: int) -> torch.Tensor:
-        self._index(index)
-        address = self.runtime.malloc(nbytes)
+        address = self.runtime.malloc(nbytes, self._index(index))
         if address is None:
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory (cudasim). Tried to allocate {nbytes:,} bytes"
