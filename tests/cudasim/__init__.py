@@ -60,11 +60,14 @@ class SimulatedCuda:
         self, *, capacity: int = 1 << 30, pinned_capacity: int = 1 << 34, device_count: int = 2
     ) -> None:
         self.memory = DeviceMemory(capacity, pinned_capacity)
-        self.ops = SimulatedTorchOps(self.memory, None, device_count)  # type: ignore[arg-type]
-        self.driver = SimulatedDriver(self.memory, device_count, self.ops.flush)
-        self.runtime = SimulatedRuntime(self.memory, self.driver, self.ops.flush)
-        self.ops.runtime = self.runtime
+        # Synchronizing (cuCtxSynchronize, cudaFree) runs what the streams have queued.
+        self.driver = SimulatedDriver(self.memory, device_count, self._flush)
+        self.runtime = SimulatedRuntime(self.memory, self.driver, self._flush)
+        self.ops = SimulatedTorchOps(self.memory, self.runtime, device_count)
         self._previous: tuple[Any, Any, bool] | None = None
+
+    def _flush(self) -> None:
+        self.ops.flush()
 
     def install(self) -> None:
         assert self._previous is None, "already installed"
