@@ -18,8 +18,10 @@ _FORMS = "'cpu', 'emulated', 'cuda' or 'cuda:N'"
 
 
 def _cuda_count() -> int:
-    # torch.cuda.is_available() asks the driver for a device count without creating a context.
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # Through the CUDA backends' PyTorch seam, so that a test's CUDA stand-in counts too.
+    from ._backends.cuda_torch_ops import ops
+
+    return ops().device_count()
 
 
 def available_devices() -> list[str]:
@@ -57,7 +59,9 @@ def normalize_device(device: object) -> str:
         return kind
     if kind == "cuda":
         require_usable("cuda" if index is None else f"cuda:{index}")
-        return f"cuda:{torch.cuda.current_device() if index is None else index}"
+        from ._backends.cuda_torch_ops import ops
+
+        return f"cuda:{ops().current_device() if index is None else index}"
     raise ValueError(f"sharedmem: unknown device {device!r}; use {_FORMS}")
 
 

@@ -4,6 +4,7 @@ the allocator-event measure of a step's peak (DESIGN §8)."""
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
 import random
 import zlib
@@ -20,14 +21,24 @@ from torch.profiler._memory_profiler import Action
 import sharedmem as sm
 
 HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no usable CUDA GPU on this machine")
+# Without a GPU, tests marked ``cuda`` run against the CUDA stand-in (tests/cudasim), which
+# needs cuda-python's modules for its enums and structs. SHAREDMEM_CUDASIM=0 turns it off.
+SIMULATED_CUDA = (
+    not HAS_CUDA
+    and os.environ.get("SHAREDMEM_CUDASIM", "1") != "0"
+    and importlib.util.find_spec("cuda.bindings") is not None
+)
+requires_cuda = pytest.mark.skipif(
+    not (HAS_CUDA or SIMULATED_CUDA), reason="no usable CUDA GPU (nor the stand-in) here"
+)
+requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a real CUDA GPU")
 
 
 def _cuda_marks(backend: str) -> list[pytest.MarkDecorator]:
     """Skip marks for a CUDA backend: no GPU, or this backend cannot run on this one (a
     cuda-python runtime newer than the driver, a device without virtual memory management)."""
     if not HAS_CUDA:
-        return [requires_cuda]
+        return [requires_cuda]  # the stand-in runs every backend
     from sharedmem._backends.cuda import usable_backends
 
     if backend in usable_backends(0):
@@ -35,11 +46,19 @@ def _cuda_marks(backend: str) -> list[pytest.MarkDecorator]:
     return [pytest.mark.skip(reason=f"the {backend!r} CUDA backend cannot run on this GPU")]
 
 
-# Devices every generic test runs on: CI has cpu and emulated; a GPU machine adds cuda.
+# Devices every generic test runs on: CI has cpu, emulated and cuda on the stand-in; a GPU
+# machine runs cuda on the GPU.
 DEVICES = [
     "cpu",
     "emulated",
     pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda]),
+]
+# For tests that run PyTorch's own CUDA code (models, CUDA tensors): the stand-in's "device"
+# tensors are host tensors, so these need a GPU.
+GPU_DEVICES = [
+    "cpu",
+    "emulated",
+    pytest.param("cuda", marks=[pytest.mark.cuda, requires_gpu]),
 ]
 # Host/device pairs (the ones with a separate device side), with every backend of each.
 TWO_SIDED = [
@@ -118,6 +137,30 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture(autouse=True)
 def _reset_torch_rng() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_stand_in(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Tests marked ``cuda`` run on the CUDA stand-in where there is no GPU; after each, every
+    byte it handed out must be back (no leaked reservation, handle or registration)."""
+    if not (SIMULATED_CUDA and request.node.get_closest_marker("cuda")):
+        yield None
+        return
+    from cudasim import SimulatedCuda
+
+    with SimulatedCuda() as cuda:
+        yield cuda
+    report = getattr(request.node, "rep_call", None)
+    if report is None or report.passed:  # a failed test's traceback still holds its memories
+        assert cuda.leaks() == [], cuda.leaks()
+
+
+@pytest.fixture
+def cuda_sim(_cuda_stand_in: Any) -> Any:
+    """The stand-in of a test marked ``cuda`` (skips on a real GPU, where there is none)."""
+    if _cuda_stand_in is None:
+        pytest.skip("runs on the CUDA stand-in only")
+    return _cuda_stand_in
 
 
 def make_memory(placement: tuple[str, str], nbytes: int = 0) -> sm.SyncedMemory:

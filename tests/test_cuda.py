@@ -1,4 +1,5 @@
-"""CUDA backends on a GPU: what needs one is marked ``cuda`` and skipped without one.
+"""CUDA backends on a GPU: marked ``cuda``; without a GPU they run on the CUDA stand-in
+(tests/cudasim), and the few that need PyTorch's own CUDA are skipped there.
 
 The generic state-machine, invariant and growth tests already run on every CUDA backend
 through ``TWO_SIDED`` / ``ALL_PLACEMENTS``; this file checks what only CUDA has: stable
@@ -19,14 +20,18 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
-from conftest import requires_cuda, storage_bytes
+from conftest import HAS_CUDA, requires_cuda, requires_gpu, storage_bytes
 
 import sharedmem as sm
+from sharedmem._backends.cuda_torch_ops import ops
 
 F = TypeVar("F", bound=Callable[..., Any])
 BACKENDS = ["vmm", "cudart", "torch"]
 MiB = 1 << 20
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs at least 2 GPUs")
+# The stand-in has two devices.
+two_gpus = pytest.mark.skipif(
+    HAS_CUDA and torch.cuda.device_count() < 2, reason="needs at least 2 GPUs"
+)
 
 
 def on_gpu(test: F) -> F:
@@ -61,7 +66,7 @@ def usable_or_skip(backend: str) -> None:
     from sharedmem._backends import cuda
 
     try:
-        cuda._device_backend(torch.cuda.current_device(), backend)
+        cuda._device_backend(current_device(), backend)
     except sm.SharedMemError as error:
         pytest.skip(str(error))
 
@@ -70,15 +75,26 @@ def vmm_or_skip() -> None:
     usable_or_skip("vmm")
 
 
+def current_device() -> int:
+    return ops().current_device()
+
+
 def settle_garbage() -> None:
     gc.collect()
-    torch.cuda.synchronize()
+    ops().synchronize(current_device())
+
+
+def keep_the_device_busy() -> None:
+    """Make the producer still busy when the next copy is issued (on the stand-in, copies
+    on a side stream always run late)."""
+    if HAS_CUDA:
+        torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
 
 
 @on_gpu
 def test_default_backend_is_vmm_where_the_device_supports_it() -> None:
     cuda = cuda_modules()
-    index = torch.cuda.current_device()
+    index = current_device()
     expected = cuda.usable_backends(index)[0]
     assert expected == "vmm" or not cuda.vmm_supported(index)
     placement = sm.SyncedMemory(device="cuda").placement
@@ -213,15 +229,15 @@ def test_the_host_side_is_pinned_and_grows_in_place(backend: str) -> None:
     usable_or_skip(backend)
     m = sm.SyncedMemory(4096, device="cuda", backend=backend)
     first = m.mutable_host_data()
-    assert first.is_pinned()
+    assert ops().is_pinned(first)
     m.set_size(64 * MiB)
     grown = m.mutable_host_data()
-    assert grown[-4096:].is_pinned() and grown.is_pinned()
+    assert ops().is_pinned(grown[-4096:]) and ops().is_pinned(grown)
     if m.placement.host.kind == "pinned":
         assert grown.data_ptr() == first.data_ptr() and m.grow_copy_bytes == 0
     m.set_size(MiB)
     m.shrink_to_fit()
-    assert m.host_data().is_pinned()
+    assert ops().is_pinned(m.host_data())
 
 
 @on_gpu
@@ -230,10 +246,10 @@ def test_async_copies_on_a_side_stream_wait_for_the_producer(backend: str) -> No
     usable_or_skip(backend)
     size = 64 * MiB
     m = sm.SyncedMemory(size, device="cuda", backend=backend)
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream = ops().new_stream(current_device())
     for value, given in ((1, stream), (2, stream.cuda_stream), (3, None)):
         view = m.mutable_device_data()
-        torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]  # the producer is still busy when the pull is issued
+        keep_the_device_busy()
         view.fill_(value)
         m.pull_async(given)
         host = m.host_data()
@@ -257,9 +273,9 @@ def test_stream_arguments_are_checked() -> None:
 def test_a_stream_of_another_device_is_refused() -> None:
     m = sm.SyncedMemory(1000, device="cuda")
     m.mutable_host_data().fill_(1)
-    other = (torch.cuda.current_device() + 1) % torch.cuda.device_count()
+    other = (current_device() + 1) % ops().device_count()
     with pytest.raises(ValueError, match=r"^sharedmem: the stream is on cuda:"):
-        m.push_async(torch.cuda.Stream(device=other))  # type: ignore[no-untyped-call]
+        m.push_async(ops().new_stream(other))
 
 
 @on_gpu
@@ -288,7 +304,7 @@ def test_vmm_runs_out_of_physical_memory_inside_its_reservation() -> None:
     from sharedmem._backends.cuda_vmm import VmmBackend
 
     default = sm.SyncedMemory(device="cuda", backend="vmm").placement
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    total = ops().total_memory(current_device())
     backend = VmmBackend(default.device, reservation=2 * total)
     m = sm.SyncedMemory(100, placement=Placement(default.device, default.host, backend))
     m.mutable_device_data().fill_(4)
@@ -349,13 +365,13 @@ def test_vmm_a_growth_that_fails_midway_gives_back_every_chunk(
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cuda_n_allocates_on_device_n(backend: str) -> None:
     usable_or_skip(backend)
-    last = torch.cuda.device_count() - 1
-    with torch.cuda.device(0):
+    last = ops().device_count() - 1
+    with ops().device(0):
         m = sm.SyncedMemory(MiB, device=f"cuda:{last}", backend=backend)
         m.mutable_host_data().fill_(6)
         view = m.device_data()
-        assert view.device == torch.device("cuda", last)
-        assert torch.cuda.current_device() == 0
+        assert view.device == ops().tensor_device(last)
+        assert current_device() == 0
         assert int(view.min()) == int(view.max()) == 6
         if backend != "torch":  # ask the driver where the bytes are, not PyTorch
             driver = cuda_modules().bindings().driver
@@ -365,6 +381,7 @@ def test_cuda_n_allocates_on_device_n(backend: str) -> None:
 
 
 @on_gpu
+@requires_gpu  # the stand-in has no caching allocator statistics
 def test_the_torch_backend_is_seen_by_the_caching_allocator() -> None:
     index = torch.cuda.current_device()
     before = torch.cuda.memory_stats(index).get("allocated_bytes.all.current", 0)
@@ -372,3 +389,38 @@ def test_the_torch_backend_is_seen_by_the_caching_allocator() -> None:
     m.mutable_device_data()
     after = torch.cuda.memory_stats(index)["allocated_bytes.all.current"]
     assert after - before >= m.device_capacity >= 8 * MiB
+
+
+# ---- what the stand-in can arrange and a GPU cannot on demand -------------------------------
+
+
+@on_gpu
+def test_pinning_refused_by_the_driver_is_out_of_memory_and_keeps_every_byte(
+    cuda_sim: Any,
+) -> None:
+    m = sm.SyncedMemory(64 << 10, device="cuda", backend="vmm")
+    m.mutable_host_data().fill_(5)
+    cuda_sim.memory.pinned_capacity = sum(cuda_sim.memory.registered.values()) + (64 << 10)
+    m.set_size(8 * MiB)
+    with pytest.raises(sm.OutOfMemoryError, match="Could not pin host memory for cuda:0"):
+        m.mutable_host_data()
+    m.set_size(64 << 10)
+    assert m.host_data().tolist() == [5] * (64 << 10)
+
+
+@on_gpu
+def test_memory_freed_during_a_graph_capture_goes_back_at_the_next_allocation(
+    cuda_sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = sm.SyncedMemory(MiB, device="cuda", backend="vmm")
+    m.mutable_device_data().fill_(1)
+    meter = device_of(m).meter
+    held = meter.held
+    monkeypatch.setattr(cuda_sim.ops, "capturing", lambda: True)
+    m.release()  # synchronizing is illegal while capturing: the free waits
+    gc.collect()
+    assert meter.held == held
+    monkeypatch.setattr(cuda_sim.ops, "capturing", lambda: False)
+    other = sm.SyncedMemory(MiB, device="cuda", backend="vmm")
+    other.mutable_device_data()
+    assert meter.held == held  # the queued free ran first: one buffer's worth is held

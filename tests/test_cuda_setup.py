@@ -10,6 +10,7 @@ import gc
 import io
 import json
 import mmap
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -367,6 +368,20 @@ def test_meters_keep_the_peak_until_reset() -> None:
     assert (meter.held, meter.peak) == (3, 15)
     meter.reset_peak()
     assert meter.peak == 3
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU path of ./dev gpu-check")
+def test_gpu_check_without_a_gpu_says_where_the_cuda_tests_run(tmp_path: Path) -> None:
+    report = tmp_path / "report.txt"
+    done = subprocess.run(
+        ["bash", str(ROOT / "dev"), "gpu-check", str(report)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert done.returncode == 2 and not report.exists()
+    assert "gpu-check needs a CUDA GPU" in done.stderr and "stand-in" in done.stderr
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU path of the benchmark")

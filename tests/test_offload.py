@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICES, requires_cuda
+from conftest import GPU_DEVICES, requires_gpu
 
 import sharedmem as sm
 
@@ -82,7 +82,7 @@ def assert_same_grads(plain: torch.nn.Module, pooled: torch.nn.Module, where: st
 # ---- gradients equal the plain run exactly ------------------------------------------------------
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", GPU_DEVICES)
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 @pytest.mark.parametrize(("offload", "prefetch"), [(True, True), (True, False), (False, True)])
 def test_gradients_equal_the_plain_run_exactly(
@@ -109,7 +109,7 @@ def test_gradients_equal_the_plain_run_exactly(
     assert stats["restored_bytes_total"] > 0
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", GPU_DEVICES)
 def test_views_and_odd_layouts_round_trip_with_their_strides(device: str) -> None:
     dev = torch_device(device)
     pool = sm.BufferPool(device)
@@ -147,7 +147,7 @@ def test_views_and_odd_layouts_round_trip_with_their_strides(device: str) -> Non
         assert torch.equal(e, g)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", GPU_DEVICES)
 def test_a_second_backward_with_retain_graph_and_double_backward_are_exact(device: str) -> None:
     dev = torch_device(device)
     pool = sm.BufferPool(device)
@@ -722,7 +722,7 @@ def test_two_threads_entering_one_object_at_once_are_told_apart(
 # ---- CUDA ---------------------------------------------------------------------------------------
 
 
-@requires_cuda
+@requires_gpu
 @pytest.mark.cuda
 def test_cuda_offload_lowers_the_peak_of_device_memory() -> None:
     pool = sm.BufferPool("cuda")
@@ -749,7 +749,7 @@ def test_cuda_offload_lowers_the_peak_of_device_memory() -> None:
     assert pool.stats()["device_reserved_bytes"] == 0
 
 
-@requires_cuda
+@requires_gpu
 @pytest.mark.cuda
 def test_cuda_forward_and_backward_on_a_side_stream_are_exact() -> None:
     pool = sm.BufferPool("cuda")

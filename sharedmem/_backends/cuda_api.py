@@ -17,9 +17,8 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-import torch
-
 from .._errors import SharedMemError
+from .cuda_torch_ops import ops
 
 __all__ = [
     "MATCH_ADVICE",
@@ -29,6 +28,7 @@ __all__ = [
     "check",
     "device_index",
     "error_name",
+    "install_bindings",
     "on_device",
     "vmm_supported",
 ]
@@ -67,9 +67,31 @@ class DeviceOutOfMemory(Exception):
 # ---- cuda-python --------------------------------------------------------------------------
 
 
-@functools.cache
+# A stand-in for cuda-python that a test installed (see ``install_bindings``), or None.
+_installed: SimpleNamespace | None = None
+
+
 def bindings() -> SimpleNamespace:
-    """cuda-python's ``driver`` and ``runtime`` modules (12.x and 13.x import paths)."""
+    """cuda-python's ``driver`` and ``runtime`` modules (12.x and 13.x import paths).
+
+    Every CUDA backend loads them through here, so a test can put a stand-in in their place.
+    """
+    return _installed if _installed is not None else _load_bindings()
+
+
+def install_bindings(stand_in: SimpleNamespace | None) -> SimpleNamespace | None:
+    """Use ``stand_in`` (``driver`` and ``runtime``) instead of cuda-python, or cuda-python
+    again with ``None``; returns the one it replaces. The per-device answers cached from the
+    previous driver (device handles, contexts) are forgotten."""
+    global _installed
+    previous, _installed = _installed, stand_in
+    _device_handle.cache_clear()
+    _primary_context.cache_clear()
+    return previous
+
+
+@functools.cache
+def _load_bindings() -> SimpleNamespace:
     try:
         from cuda.bindings import driver, runtime
     except ImportError as new_path:
@@ -194,7 +216,7 @@ def on_device(index: int) -> Iterator[None]:
     driver = bindings().driver
     context = _primary_context(index)
     _used = True
-    with torch.cuda.device(index):
+    with ops().device(index):
         check(driver.cuCtxPushCurrent(context), "cuCtxPushCurrent")
         try:
             yield

@@ -38,6 +38,7 @@ import torch
 
 from .._errors import OutOfMemoryError, SharedMemError
 from .cuda_api import DeviceOutOfMemory, device_index
+from .cuda_torch_ops import ops
 
 __all__ = ["Meter", "Owner", "out_of_memory", "reclaim", "retry_on_oom", "run_pending"]
 
@@ -74,12 +75,6 @@ class Meter:
 _pending: list[Callable[[], None]] = []
 
 
-def _capturing() -> bool:
-    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        return False
-    return torch.cuda.is_current_stream_capturing()
-
-
 def reclaim(release: Callable[[], None]) -> None:
     """Give memory back now, or once no CUDA graph is being captured on this thread.
 
@@ -88,7 +83,7 @@ def reclaim(release: Callable[[], None]) -> None:
     """
     if sys.is_finalizing():
         return  # the process is ending and the driver takes every byte back with it
-    if _capturing():
+    if ops().capturing():
         _pending.append(release)
         return
     try:
@@ -99,7 +94,7 @@ def reclaim(release: Callable[[], None]) -> None:
 
 def run_pending() -> None:
     """Run the frees that were queued during a graph capture."""
-    while _pending and not _capturing():
+    while _pending and not ops().capturing():
         reclaim(_pending.pop())
 
 
@@ -121,10 +116,11 @@ class Owner:
         """A 1-D uint8 tensor over the first ``nbytes`` (default: all) that keeps this alive."""
         nbytes = self.nbytes if nbytes is None else nbytes
         assert 0 < nbytes <= self.nbytes, (nbytes, self.nbytes)
-        device = torch.device("cuda", self.index)
+        device = ops().tensor_device(self.index)
         # With an explicit index PyTorch takes the device as given (older versions ask
-        # cudaPointerGetAttributes); either way no byte is copied, which we check.
-        tensor = _wrap(_Window(self, nbytes), device)
+        # cudaPointerGetAttributes); either way no byte is copied, which we check. PyTorch
+        # keeps a reference to the window in the storage's deleter.
+        tensor = ops().wrap(_Window(self, nbytes), self.index)
         if tensor.data_ptr() != self.address or tensor.device != device:
             raise SharedMemError(
                 f"sharedmem: wrapping {nbytes:,} bytes at {self.address:#x} on {device} "
@@ -171,19 +167,14 @@ class _Window:
         }
 
 
-def _wrap(memory: _Window, device: torch.device) -> torch.Tensor:
-    # PyTorch keeps a reference to ``memory`` in the storage's deleter.
-    return torch.as_tensor(memory, device=device)
-
-
 def out_of_memory(requested: int, device: str, why: str = "") -> OutOfMemoryError:
     """The error for a refused allocation of ``requested`` bytes on ``device``."""
     index = device_index(device)
     try:
-        free, total = torch.cuda.mem_get_info(index)
+        free, total = ops().mem_get_info(index)
     except RuntimeError:  # a broken context cannot even say how full it is
         free = total = 0
-    cached = torch.cuda.memory_reserved(index)
+    cached = ops().memory_reserved(index)
     detail = (
         f"{device} has {free:,} of {total:,} bytes free (reserved counts every process); "
         f"PyTorch's caching allocator holds {cached:,} bytes"
@@ -203,7 +194,7 @@ def retry_on_oom(attempt: Callable[[], T], requested: int, device: str) -> T:
     except (DeviceOutOfMemory, torch.cuda.OutOfMemoryError):
         pass
     # Blocks PyTorch caches but does not use may be what stands in the way: give them back.
-    torch.cuda.empty_cache()
+    ops().empty_cache()
     try:
         return attempt()
     except (DeviceOutOfMemory, torch.cuda.OutOfMemoryError) as error:

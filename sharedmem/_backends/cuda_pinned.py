@@ -46,6 +46,7 @@ from .._errors import OutOfMemoryError, SharedMemError
 from ._base import Block, MovingBackend, rewindow
 from .cuda_api import DeviceOutOfMemory, bindings, check, on_device
 from .cuda_owner import Meter, reclaim
+from .cuda_torch_ops import ops
 from .host import ReservedBackend, check_committable, window
 
 __all__ = [
@@ -142,7 +143,7 @@ class _Pins:
         if end >= self.end:
             return
         kept, dropped, cut = split_ranges(self.ranges, end)
-        torch.cuda.synchronize(self.index)  # no copy may still use the pages we unpin
+        ops().synchronize(self.index)  # no copy may still use the pages we unpin
         for offset, size in dropped:
             _unregister_range(self.index, self.address + offset)
             self.ranges.remove((offset, size))
@@ -164,7 +165,7 @@ class _Pins:
 
 def _pinned_tensor(nbytes: int, meter: Meter, index: int) -> torch.Tensor:
     try:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return ops().pinned_empty(nbytes)
     except RuntimeError as error:
         if "out of memory" not in str(error).lower():
             raise

@@ -12,11 +12,13 @@ it (before a device view is handed out), which orders later device work without 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
 from ._base import Backend
 from .cuda_api import device_index
+from .cuda_torch_ops import ops
 
 __all__ = ["CudaBackend", "EventFence", "side_stream"]
 
@@ -26,7 +28,7 @@ class EventFence:
 
     __slots__ = ("_event", "_index")
 
-    def __init__(self, event: torch.cuda.Event, index: int) -> None:
+    def __init__(self, event: Any, index: int) -> None:
         self._event = event
         self._index = index
 
@@ -35,26 +37,31 @@ class EventFence:
 
     def wait_device(self) -> None:
         # Device work is issued on the current stream: order it after the copy, no blocking.
-        torch.cuda.current_stream(self._index).wait_event(self._event)
+        ops().current_stream(self._index).wait_event(self._event)
 
 
-_side_streams: dict[int, torch.cuda.Stream] = {}
+# Keyed by the ops in use too: a stand-in installed by a test has streams of its own.
+_side_streams: dict[tuple[int, int], Any] = {}
 _side_lock = threading.Lock()
 
 
-def side_stream(index: int) -> torch.cuda.Stream:
+def side_stream(index: int) -> Any:
     """The per-device stream that ``push_async`` / ``pull_async`` copy on by default."""
-    stream = _side_streams.get(index)
+    key = (id(ops()), index)
+    stream = _side_streams.get(key)
     if stream is None:
         with _side_lock:
-            stream = _side_streams.get(index)
+            stream = _side_streams.get(key)
             if stream is None:
-                stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
-                _side_streams[index] = stream
+                stream = ops().new_stream(index)
+                _side_streams[key] = stream
     return stream
 
 
-def _as_stream(stream: object, index: int) -> torch.cuda.Stream:
+def _as_stream(stream: object, index: int) -> Any:
+    own = ops().own_stream(stream, index)
+    if own is not None:
+        return own
     device = torch.device("cuda", index)
     if isinstance(stream, int) and not isinstance(stream, bool):  # a raw cudaStream_t
         stream = torch.cuda.ExternalStream(stream, device=device)  # type: ignore[no-untyped-call]
@@ -86,8 +93,15 @@ class CudaBackend(Backend):
     """The device side on a CUDA device: copies to and from the host on streams."""
 
     def __init__(self, device: str, *, granularity: int) -> None:
-        super().__init__(device=device, granularity=granularity)
+        # ``device`` is the torch device of the blocks' tensors (host memory under a test's
+        # stand-in); ``memory_name`` stays "cuda:N" for messages and errors.
         self.index = device_index(device)
+        self.cuda_device = device
+        super().__init__(device=str(ops().tensor_device(self.index)), granularity=granularity)
+
+    @property
+    def memory_name(self) -> str:
+        return self.cuda_device
 
     def _copy(
         self,
@@ -99,22 +113,20 @@ class CudaBackend(Backend):
         asynchronous: bool,
     ) -> EventFence:
         mine = dst if to_device else src  # the tensor of this (device) side
-        current = torch.cuda.current_stream(self.index)
+        torch_ops = ops()
+        current = torch_ops.current_stream(self.index)
         if stream is not None:
             chosen = _as_stream(stream, self.index)
         else:
             chosen = side_stream(self.index) if asynchronous else current
-        if chosen == current:
-            dst.copy_(src, non_blocking=True)
-        else:
+        if chosen != current:
             # The bytes may still be being produced (or read) by work on the current stream.
             chosen.wait_stream(current)
-            with torch.cuda.stream(chosen):
-                dst.copy_(src, non_blocking=True)
             self._used_on(mine, chosen)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        torch_ops.copy_on(chosen, dst, src)
+        event = torch_ops.new_event()
         event.record(chosen)
         return EventFence(event, self.index)
 
-    def _used_on(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    def _used_on(self, tensor: torch.Tensor, stream: Any) -> None:
         """Hook: ``tensor`` (of this side) is used on ``stream``, not the current one."""

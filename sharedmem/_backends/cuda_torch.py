@@ -9,11 +9,14 @@ peak is old + new; views taken before a growth keep the old storage.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ._base import Block, MovingBackend
 from .cuda_owner import retry_on_oom
 from .cuda_streams import CudaBackend
+from .cuda_torch_ops import ops
 
 __all__ = ["TorchCudaBackend"]
 
@@ -27,12 +30,10 @@ class TorchCudaBackend(MovingBackend, CudaBackend):
         super().__init__(device, granularity=512)  # the caching allocator's own rounding
 
     def _allocate(self, nbytes: int) -> Block:
-        tensor = retry_on_oom(
-            lambda: torch.empty(nbytes, dtype=torch.uint8, device=self.device), nbytes, self.device
-        )
+        tensor = retry_on_oom(lambda: ops().empty(nbytes, self.index), nbytes, self.memory_name)
         return Block(tensor, nbytes)
 
-    def _used_on(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    def _used_on(self, tensor: torch.Tensor, stream: Any) -> None:
         # The caching allocator reuses a freed block on its allocation stream at once; tell it
         # that a side stream uses this one, so a copy still running there is not overwritten.
-        tensor.record_stream(stream)
+        ops().used_on(tensor, stream)

@@ -34,13 +34,12 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import torch
-
 from .._errors import SharedMemError
 from ._base import Block, rewindow, round_up
 from .cuda_api import DeviceOutOfMemory, bindings, check, device_index, error_name, on_device
 from .cuda_owner import Meter, Owner, retry_on_oom
 from .cuda_streams import CudaBackend
+from .cuda_torch_ops import ops
 
 __all__ = ["VmmBackend", "access_desc", "allocation_prop", "reservation_sizes", "reserve_range"]
 
@@ -215,7 +214,7 @@ class VmmBackend(CudaBackend):
         # At least this much address space per block, twice the request when that is more:
         # the device's memory capped at 32 GiB, so thousands of buffers fit in the address
         # space that unified addressing shares with the host.
-        total = torch.cuda.get_device_properties(index).total_memory
+        total = ops().total_memory(index)
         self.reservation = self.round(reservation or min(total, 32 << 30))
         self.meter = Meter()
         self._trial()
@@ -226,7 +225,7 @@ class VmmBackend(CudaBackend):
             address, size = reserve_range(self.index, [self.granularity], self.alignment)
         except DeviceOutOfMemory as error:
             raise SharedMemError(
-                f"sharedmem: {self.device} cannot reserve device address space for "
+                f"sharedmem: {self.memory_name} cannot reserve device address space for "
                 f"backend='vmm' ({error}); use backend='cudart' or backend='torch'."
             ) from None
         with on_device(self.index):
@@ -248,7 +247,7 @@ class VmmBackend(CudaBackend):
                 raise
             return reservation
 
-        reservation = retry_on_oom(attempt, nbytes, self.device)
+        reservation = retry_on_oom(attempt, nbytes, self.memory_name)
         return Block(reservation.tensor(nbytes), nbytes, reservation)
 
     def will_move(self, block: Block, nbytes: int) -> bool:
@@ -261,7 +260,7 @@ class VmmBackend(CudaBackend):
         reservation = block.handle
         assert isinstance(reservation, _Reservation), block
         if nbytes <= reservation.nbytes:
-            retry_on_oom(lambda: reservation.map(nbytes), nbytes, self.device)
+            retry_on_oom(lambda: reservation.map(nbytes), nbytes, self.memory_name)
             grown = rewindow(block.tensor, reservation.tensor(nbytes))
             return Block(grown, nbytes, reservation), 0
         new = self._allocate(nbytes)  # beyond the reservation: move, and copy what we keep

@@ -102,7 +102,7 @@ class CudartBackend(CudaBackend):
                 address = check(bindings().runtime.cudaMalloc(nbytes), "cudaMalloc")
             return _Allocation(self.index, int(address), nbytes, self.meter)
 
-        owner = retry_on_oom(attempt, nbytes, self.device)
+        owner = retry_on_oom(attempt, nbytes, self.memory_name)
         return Block(owner.tensor(), nbytes, owner)
 
     def _grow(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:

@@ -1,0 +1,125 @@
+"""The PyTorch side of the CUDA backends, behind one small interface.
+
+Everything the CUDA backends ask of ``torch.cuda`` goes through ``ops()``: wrapping a device
+address as a tensor, allocating from the caching allocator, streams, events, synchronizing,
+emptying the cache, the device's size. On a GPU that is ``TorchCudaOps``, plain PyTorch. A
+test may ``install`` another implementation (the CUDA stand-in under ``tests/cudasim``, whose
+"device" tensors are host memory at the simulated device address), so that every CUDA path
+runs, and is checked, on a machine without a GPU. The calls into cuda-python need no seam:
+``cuda_api.bindings`` is the single place they are loaded from.
+
+Streams and events are PyTorch's objects (or the stand-in's, with the same methods:
+``wait_stream``, ``wait_event``, ``record_event``; ``record``, ``synchronize``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["TorchCudaOps", "install", "ops"]
+
+
+class TorchCudaOps:
+    """``torch.cuda`` as the CUDA backends use it; the stand-in overrides every method."""
+
+    def device_count(self) -> int:
+        """How many CUDA devices can be used (0 where CUDA is not available)."""
+        # is_available asks the driver for a device count without creating a context.
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def tensor_device(self, index: int) -> torch.device:
+        """The device of the tensors that hold device ``index``'s bytes."""
+        return torch.device("cuda", index)
+
+    def wrap(self, memory: Any, index: int) -> torch.Tensor:
+        """A tensor over ``memory``'s ``__cuda_array_interface__``, without copying.
+
+        PyTorch keeps a reference to ``memory`` in the storage's deleter.
+        """
+        return torch.as_tensor(memory, device=self.tensor_device(index))
+
+    def empty(self, nbytes: int, index: int) -> torch.Tensor:
+        """``nbytes`` from the caching allocator of device ``index``."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.tensor_device(index))
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of page-locked host memory from PyTorch's host allocator."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in page-locked host memory."""
+        return tensor.is_pinned()
+
+    @contextlib.contextmanager
+    def device(self, index: int) -> Iterator[None]:
+        """Device ``index`` is PyTorch's current device in the block."""
+        with torch.cuda.device(index):
+            yield
+
+    def current_stream(self, index: int) -> Any:
+        return torch.cuda.current_stream(index)
+
+    def new_stream(self, index: int) -> Any:
+        return torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+
+    def own_stream(self, stream: object, index: int) -> Any:
+        """``stream`` as a stream object of this implementation, or ``None`` when it is not
+        one it knows (``cuda_streams`` then checks it as PyTorch's)."""
+        return None
+
+    def copy_on(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue the copy of ``src`` into ``dst`` on ``stream``."""
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def used_on(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator that ``stream`` uses ``tensor``."""
+        tensor.record_stream(stream)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+    def synchronize(self, index: int) -> None:
+        torch.cuda.synchronize(index)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def capturing(self) -> bool:
+        """Whether a CUDA graph is being captured on this thread's current stream."""
+        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return False
+        return torch.cuda.is_current_stream_capturing()
+
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(index)
+        return int(free), int(total)
+
+    def memory_reserved(self, index: int) -> int:
+        return int(torch.cuda.memory_reserved(index))
+
+    def total_memory(self, index: int) -> int:
+        return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+_active: TorchCudaOps = TorchCudaOps()
+
+
+def ops() -> TorchCudaOps:
+    """The implementation of the PyTorch side in use (PyTorch's own unless a test installed
+    another)."""
+    return _active
+
+
+def install(implementation: TorchCudaOps) -> TorchCudaOps:
+    """Use ``implementation`` from now on; returns the one it replaces (to put back)."""
+    global _active
+    previous, _active = _active, implementation
+    return previous

@@ -1,0 +1,107 @@
+"""A CUDA stand-in, so that every CUDA path of sharedmem runs (and is checked) without a GPU.
+
+``SimulatedCuda`` replaces the two seams of the CUDA backends while it is installed: the
+cuda-python modules (``cuda_api.install_bindings``) with a simulated driver and runtime that
+keep the documented rules of the calls we make (see ``driver``), and the PyTorch side
+(``cuda_torch_ops.install``) with one whose "device" tensors are host memory at simulated
+device addresses inside a reserved host range (see ``memory``) and whose side streams run
+their copies as late as CUDA allows (see ``torch_ops``).
+
+What it proves and what only a GPU can is in the README ("CUDA without a GPU").
+
+Example::
+
+    with SimulatedCuda(capacity=256 << 20) as cuda:
+        memory = sm.SyncedMemory(1000, device="cuda", backend="vmm")
+        ...
+    assert cuda.leaks() == []
+"""
+
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+from typing import Any
+
+from sharedmem import _backends
+from sharedmem._backends import cuda, cuda_api, cuda_owner, cuda_streams, cuda_torch_ops, cudart
+
+from .driver import SimulatedDriver, SimulatedRuntime
+from .memory import GRANULARITY, DeviceMemory
+from .torch_ops import SimulatedEvent, SimulatedStream, SimulatedTorchOps
+
+__all__ = ["GRANULARITY", "SimulatedCuda", "SimulatedEvent", "SimulatedStream"]
+
+
+def _forget_cached_choices() -> None:
+    """Backends, placements and checks are cached per device: built on the driver in use."""
+    for cached in (
+        cuda.default_backend,
+        cuda._device_backend,
+        cuda._host_backend,
+        cudart.runtime_problem,
+        _backends._placement,
+    ):
+        cached.cache_clear()
+    cuda_streams._side_streams.clear()
+
+
+class SimulatedCuda:
+    """The stand-in for cuda-python's driver and runtime and for ``torch.cuda``.
+
+    Args:
+        capacity: bytes of device memory; more is refused with ``CUDA_ERROR_OUT_OF_MEMORY``.
+        pinned_capacity: bytes of host memory that can be registered (pinned) at once.
+        device_count: how many devices there are (two by default, so that ``cuda:N`` code
+            runs; they share one capacity, and the driver knows which device each byte is on).
+    """
+
+    def __init__(
+        self, *, capacity: int = 1 << 30, pinned_capacity: int = 1 << 34, device_count: int = 2
+    ) -> None:
+        self.memory = DeviceMemory(capacity, pinned_capacity)
+        # Synchronizing (cuCtxSynchronize, cudaFree) runs what the streams have queued.
+        self.driver = SimulatedDriver(self.memory, device_count, self._flush)
+        self.runtime = SimulatedRuntime(self.memory, self.driver, self._flush)
+        self.ops = SimulatedTorchOps(self.memory, self.runtime, device_count)
+        self._previous: tuple[Any, Any, bool] | None = None
+
+    def _flush(self) -> None:
+        self.ops.flush()
+
+    def install(self) -> None:
+        assert self._previous is None, "already installed"
+        bindings = SimpleNamespace(driver=self.driver, runtime=self.runtime)
+        self._previous = (
+            cuda_api.install_bindings(bindings),
+            cuda_torch_ops.install(self.ops),
+            cuda_api._used,
+        )
+        _forget_cached_choices()
+
+    def uninstall(self) -> None:
+        """Let every memory of the test go (while the stand-in still answers), then put the
+        real modules back."""
+        assert self._previous is not None, "not installed"
+        gc.collect()
+        cuda_owner.run_pending()
+        self.ops.flush()
+        _forget_cached_choices()
+        gc.collect()
+        bindings, ops, used = self._previous
+        cuda_api.install_bindings(bindings)
+        cuda_torch_ops.install(ops)
+        cuda_api._used = used
+        self._previous = None
+
+    def leaks(self) -> list[str]:
+        """What the driver still holds (reservations, handles, allocations, registrations)."""
+        with self.memory.lock:
+            return self.memory.leaks()
+
+    def __enter__(self) -> SimulatedCuda:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()

@@ -1,0 +1,279 @@
+"""The CUDA stand-in (tests/cudasim): it keeps the documented rules of the driver calls that
+sharedmem makes, so the CUDA tests that run on it check something; and bugs planted in the
+CUDA backends each fail one of those tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import HAS_CUDA
+
+pytest.importorskip("cuda.bindings", reason="the CUDA stand-in needs cuda-python's modules")
+
+from cudasim import GRANULARITY, SimulatedCuda
+from cudasim.plants import PLANTS, plant
+
+from sharedmem._backends import cuda_api
+from sharedmem._backends.cuda_vmm import access_desc, allocation_prop
+
+ROOT = Path(__file__).resolve().parent.parent
+G = GRANULARITY
+
+
+@pytest.fixture
+def sim() -> Iterator[SimulatedCuda]:
+    with SimulatedCuda(capacity=8 * G, pinned_capacity=64 << 10) as cuda, cuda_api.on_device(0):
+        yield cuda
+
+
+def name(result: tuple[Any, ...]) -> str:
+    return str(result[0].name)
+
+
+def reserve(sim: SimulatedCuda, size: int) -> int:
+    error, address = sim.driver.cuMemAddressReserve(size, 0, 0, 0)
+    assert name((error,)) == "CUDA_SUCCESS"
+    return int(address)
+
+
+def create(sim: SimulatedCuda, size: int = G) -> Any:
+    error, handle = sim.driver.cuMemCreate(size, allocation_prop(0), 0)
+    assert name((error,)) == "CUDA_SUCCESS"
+    return handle
+
+
+def grant(sim: SimulatedCuda, address: int, size: int) -> str:
+    return name(sim.driver.cuMemSetAccess(address, size, [access_desc(0)], 1))
+
+
+# ---- the documented rules of the virtual memory calls ----------------------------------------
+
+
+def test_sizes_and_addresses_off_the_granularity_are_invalid_values(sim: SimulatedCuda) -> None:
+    driver = sim.driver
+    option = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    assert driver.cuMemGetAllocationGranularity(allocation_prop(0), option)[1] == G
+    assert name(driver.cuMemAddressReserve(G + 1, 0, 0, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemAddressReserve(G, G // 2, 0, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemCreate(G // 2, allocation_prop(0), 0)) == "CUDA_ERROR_INVALID_VALUE"
+    address, handle = reserve(sim, 4 * G), create(sim)
+    assert name(driver.cuMemMap(address + 4096, G, 0, handle, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemMap(address, G, 4096, handle, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemMap(address, 2 * G, 0, handle, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemRelease(handle)) == "CUDA_SUCCESS"
+    assert name(driver.cuMemAddressFree(address, 4 * G)) == "CUDA_SUCCESS"
+
+
+def test_maps_go_only_inside_a_reservation_onto_unmapped_addresses(sim: SimulatedCuda) -> None:
+    driver = sim.driver
+    address, first, second = reserve(sim, 2 * G), create(sim), create(sim)
+    assert name(driver.cuMemMap(address + 2 * G, G, 0, first, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemMap(address + G, 2 * G, 0, first, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemMap(address, G, 0, first, 0)) == "CUDA_SUCCESS"
+    assert name(driver.cuMemMap(address, G, 0, second, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemMap(address + G, G, 0, second, 0)) == "CUDA_SUCCESS"
+    # A range still mapped cannot be freed; whole mappings unmap, one part of one does not.
+    assert name(driver.cuMemAddressFree(address, 2 * G)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemUnmap(address, G // 2)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemUnmap(address + G // 2, G)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemUnmap(address, 2 * G)) == "CUDA_SUCCESS"  # two whole mappings
+    assert name(driver.cuMemUnmap(address, G)) == "CUDA_ERROR_INVALID_VALUE"  # not mapped now
+    for handle in (first, second):
+        assert name(driver.cuMemRelease(handle)) == "CUDA_SUCCESS"
+    assert name(driver.cuMemRelease(first)) == "CUDA_ERROR_INVALID_VALUE"  # released already
+    assert name(driver.cuMemAddressFree(address, G)) == "CUDA_ERROR_INVALID_VALUE"  # wrong size
+    assert name(driver.cuMemAddressFree(address, 2 * G)) == "CUDA_SUCCESS"
+    assert sim.leaks() == []
+
+
+def test_mapped_memory_is_usable_only_once_access_is_set(sim: SimulatedCuda) -> None:
+    driver = sim.driver
+    address, handle = reserve(sim, 2 * G), create(sim)
+    assert grant(sim, address, G) == "CUDA_ERROR_INVALID_VALUE"  # nothing mapped there yet
+    assert name(driver.cuMemMap(address, G, 0, handle, 0)) == "CUDA_SUCCESS"
+    assert not sim.memory.is_device_memory(address, G)
+    assert grant(sim, address, 2 * G) == "CUDA_ERROR_INVALID_VALUE"  # half of it unmapped
+    assert grant(sim, address, G) == "CUDA_SUCCESS"
+    assert sim.memory.is_device_memory(address, G)
+    assert not sim.memory.is_device_memory(address, G + 1)
+    assert name(driver.cuMemUnmap(address, G)) == "CUDA_SUCCESS"
+    assert not sim.memory.is_device_memory(address, G)  # a new mapping starts without access
+    driver.cuMemRelease(handle)
+    driver.cuMemAddressFree(address, 2 * G)
+
+
+def test_touching_memory_mapped_without_access_is_a_fault() -> None:
+    # On a GPU it is an illegal address that kills the context; here the process dies too.
+    script = (
+        "import ctypes, cudasim\n"
+        "from sharedmem._backends import cuda_api\n"
+        "from sharedmem._backends.cuda_vmm import allocation_prop\n"
+        "with cudasim.SimulatedCuda() as sim, cuda_api.on_device(0):\n"
+        "    d, g = sim.driver, cudasim.GRANULARITY\n"
+        "    address = int(d.cuMemAddressReserve(g, 0, 0, 0)[1])\n"
+        "    d.cuMemMap(address, g, 0, d.cuMemCreate(g, allocation_prop(0), 0)[1], 0)\n"
+        "    print('mapped', flush=True)\n"
+        "    ctypes.c_uint8.from_address(address).value = 1\n"
+        "    print('written', flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.stdout == "mapped\n", done.stderr
+    assert done.returncode < 0  # killed by SIGSEGV
+
+
+def test_a_released_handle_keeps_its_memory_until_unmapped(sim: SimulatedCuda) -> None:
+    driver = sim.driver
+    address, handle = reserve(sim, G), create(sim)
+    driver.cuMemMap(address, G, 0, handle, 0)
+    assert sim.memory.used == G
+    assert name(driver.cuMemRelease(handle)) == "CUDA_SUCCESS"  # allowed while mapped
+    assert sim.memory.used == G
+    driver.cuMemUnmap(address, G)
+    assert sim.memory.used == 0
+    driver.cuMemAddressFree(address, G)
+
+
+def test_device_memory_runs_out_at_the_configured_capacity(sim: SimulatedCuda) -> None:
+    driver = sim.driver
+    handles = [create(sim) for _ in range(8)]
+    assert driver.cuMemGetInfo()[1:] == (0, 8 * G)
+    assert name(driver.cuMemCreate(G, allocation_prop(0), 0)) == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert name(sim.runtime.cudaMalloc(1)) == "cudaErrorMemoryAllocation"
+    with pytest.raises(torch.OutOfMemoryError):
+        sim.ops.empty(1, 0)
+    for handle in handles:
+        driver.cuMemRelease(handle)
+    assert name(driver.cuMemAddressReserve(1 << 50, 0, 0, 0)) == "CUDA_ERROR_OUT_OF_MEMORY"
+    error, address = sim.runtime.cudaMalloc(100)
+    assert name((error,)) == "cudaSuccess" and sim.memory.is_device_memory(int(address), 100)
+    assert name(sim.runtime.cudaFree(int(address) + 8)) == "cudaErrorInvalidValue"
+    assert name(sim.runtime.cudaFree(address)) == "cudaSuccess"
+    assert sim.leaks() == []
+
+
+def test_host_registration_rules(sim: SimulatedCuda) -> None:
+    driver, flags = sim.driver, sim.driver.CU_MEMHOSTREGISTER_PORTABLE
+    pages = torch.zeros(16 * 4096, dtype=torch.uint8)
+    start = (pages.data_ptr() + 4095) // 4096 * 4096
+    assert name(driver.cuMemHostRegister(start, 8192, flags)) == "CUDA_SUCCESS"
+    # Pages are locked whole: a registration that shares a page with another is refused.
+    shared = driver.cuMemHostRegister(start + 8191, 100, flags)
+    assert name(shared) == "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"
+    assert name(driver.cuMemHostRegister(start + 8192, 4096, 1 << 20)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemHostRegister(start + 8192, 4096, flags)) == "CUDA_SUCCESS"
+    assert sim.ops.is_pinned(pages[start - pages.data_ptr() :][: 3 * 4096])  # back to back
+    assert name(driver.cuMemHostRegister(start + 3 * 4096, 128 << 10, flags)) == (
+        "CUDA_ERROR_OUT_OF_MEMORY"  # past the pinned capacity
+    )
+    missing = driver.cuMemHostUnregister(start + 4096)  # only where a registration starts
+    assert name(missing) == "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"
+    assert name(driver.cuMemHostUnregister(start)) == "CUDA_SUCCESS"
+    assert name(driver.cuMemHostUnregister(start + 8192)) == "CUDA_SUCCESS"
+    assert sim.leaks() == []
+
+
+def test_calls_check_the_types_and_fields_they_are_given(sim: SimulatedCuda) -> None:
+    driver = sim.driver
+    with pytest.raises(TypeError):
+        driver.cuMemCreate(G, object(), 0)  # not a CUmemAllocationProp
+    with pytest.raises(TypeError):
+        driver.cuMemRelease(7)  # a handle must be a CUmemGenericAllocationHandle
+    with pytest.raises(TypeError):
+        driver.cuMemMap(1.5, G, 0, create(sim), 0)
+    prop = allocation_prop(0)
+    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+    assert name(driver.cuMemCreate(G, prop, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemCreate(G, allocation_prop(2), 0)) == "CUDA_ERROR_INVALID_VALUE"
+    address = reserve(sim, G)
+    driver.cuMemMap(address, G, 0, create(sim), 0)
+    desc = access_desc(0)
+    assert name(driver.cuMemSetAccess(address, G, [desc], 2)) == "CUDA_ERROR_INVALID_VALUE"
+    desc.location.id = 3
+    assert name(driver.cuMemSetAccess(address, G, [desc], 1)) == "CUDA_ERROR_INVALID_VALUE"
+    with pytest.raises(NotImplementedError, match="cuMemcpy"):
+        driver.cuMemcpy  # noqa: B018 (a call the backends do not make is not simulated)
+    driver.cuCtxPopCurrent()  # no context current: calls that need one refuse
+    try:
+        assert name(driver.cuMemCreate(G, allocation_prop(0), 0)) == "CUDA_ERROR_INVALID_CONTEXT"
+        assert name(driver.cuCtxSynchronize()) == "CUDA_ERROR_INVALID_CONTEXT"
+    finally:
+        driver.cuCtxPushCurrent(driver.cuDevicePrimaryCtxRetain(driver.cuDeviceGet(0)[1])[1])
+
+
+def test_a_copy_on_a_side_stream_runs_when_its_event_is_waited_for(sim: SimulatedCuda) -> None:
+    ops = sim.ops
+    side, current = ops.new_stream(0), ops.current_stream(0)
+    dst, src = torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8)
+    ops.copy_on(side, dst, src)
+    event = ops.new_event()
+    event.record(side)
+    ops.copy_on(side, dst, src * 2)  # queued after the event
+    assert dst.tolist() == [0] * 4 and not event.query()  # as late as CUDA allows
+    current.wait_event(event)
+    assert dst.tolist() == [1] * 4 and event.query() and not side.query()
+    ops.copy_on(current, dst, src * 3)  # the current stream runs its work at once
+    assert dst.tolist() == [3] * 4
+    ops.synchronize(0)
+    assert dst.tolist() == [2] * 4 and side.query()
+    assert ops.own_stream(side.cuda_stream, 0) is side
+    with pytest.raises(ValueError, match="no stream has the handle"):
+        ops.own_stream(12345, 0)
+
+
+# ---- planted bugs ------------------------------------------------------------------------------
+
+
+def test_every_plant_still_finds_its_line() -> None:
+    for each in PLANTS:
+        plant(each)()  # planted and taken out again; raises when the line is gone
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="plants bugs on the stand-in only, never on a real GPU")
+def test_every_planted_bug_fails_a_cuda_test() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env.pop("PYTEST_ADDOPTS", None)
+    runs = {
+        each: subprocess.Popen(
+            [
+                *(sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"),
+                *("-p", "cudasim.plants", "tests/test_cuda.py", "-k", spec.catches),
+            ],
+            cwd=ROOT,
+            env={**env, "CUDASIM_PLANT": each},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for each, spec in PLANTS.items()
+    }
+    outcomes = {each: (run.communicate()[0], run.returncode) for each, run in runs.items()}
+    for each, (out, code) in outcomes.items():
+        last = out.strip().splitlines()[-1] if out.strip() else ""
+        assert code != 0 and ("1 failed" in last or code < 0), f"{each}: {out[-3000:]}"
+
+
+# ---- the stress runner on the stand-in ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["vmm", "cudart", "torch"])
+def test_the_stress_runner_verifies_each_cuda_backend_on_the_stand_in(
+    backend: str, seed: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cudasim.__main__ import run
+
+    argv = ["stress", "--device", "cuda", "--backend", backend, "--ops", "1500"]
+    code = run([*argv, "--threads", "2", "--faults", "--seed", str(seed)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"1500 verified ops, 0 mismatches, seed {seed}, device cuda:0" in out
