@@ -31,6 +31,7 @@ from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx import GraphModule, Node
 
+from .._backends import round_up
 from .._pool import BufferPool
 from .codegen import mutates
 
@@ -141,7 +142,7 @@ class GradientSync:
 
     Args:
         ddp: the ``DistributedDataParallel`` wrapper.
-        pool: where the buckets live (named ``prefix`` + ``ddp.bucket`` + a number).
+        pool: where the buckets live (one buffer, named ``prefix`` + ``ddp.buckets``).
         prefix: the step's buffer prefix.
     """
 
@@ -155,6 +156,8 @@ class GradientSync:
         self.params: list[torch.Tensor] = ddp._build_params_for_reducer()[0]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.buckets = _initial_buckets(ddp, self.params)
+        self.nbytes = sum(round_up(p.numel() * p.element_size(), 16) for p in self.params)
+        self._views_key: tuple[int, list[list[int]]] | None = None
         # The bucket layout is rebuilt once, after the first synchronised step, in the order
         # that step made gradients final (unless unused parameters are searched for, as DDP).
         self.rebuild = ddp.static_graph or not ddp.find_unused_parameters
@@ -182,19 +185,25 @@ class GradientSync:
             self.where = [self.index.get(id(p), -1) for p in params]
             self._where_key = key
         self.step_params = params
-        self.views = [None] * len(self.params)
-        self.flats = []
-        for b, bucket in enumerate(self.buckets):
-            # A view per step: on a moving backend the bucket may have moved since.
-            first = self.params[bucket[0]]
-            numel = sum(self.params[i].numel() for i in bucket)
-            flat = self.pool.tensor(f"{self.prefix}ddp.bucket{b}", (numel,), first.dtype)
-            offset = 0
-            for i in bucket:
-                p = self.params[i]
-                self.views[i] = _bucket_view(flat, offset, p)
-                offset += p.numel()
-            self.flats.append(flat)
+        # All buckets share one pool buffer, so rebuilding them reuses its bytes. A view per
+        # step: on a moving backend the buffer may have moved since the last one.
+        raw = self.pool.tensor(f"{self.prefix}ddp.buckets", (self.nbytes,), torch.uint8)
+        if (raw.data_ptr(), self.buckets) != self._views_key:
+            self._views_key = (raw.data_ptr(), self.buckets)
+            self.views = [None] * len(self.params)
+            self.flats = []
+            start = 0
+            for bucket in self.buckets:
+                numel = sum(self.params[i].numel() for i in bucket)
+                dtype = self.params[bucket[0]].dtype  # a bucket holds one dtype
+                flat = raw[start : start + numel * dtype.itemsize].view(dtype)
+                start += round_up(numel * dtype.itemsize, 16)
+                offset = 0
+                for i in bucket:
+                    p = self.params[i]
+                    self.views[i] = _bucket_view(flat, offset, p)
+                    offset += p.numel()
+                self.flats.append(flat)
         self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
         self.pending = [len(bucket) for bucket in self.buckets]
         self.done = [False] * len(self.buckets)
@@ -259,7 +268,7 @@ class GradientSync:
             self.rebuild = False
             order = self.order + [i for i in range(len(self.params)) if i not in done]
             self.buckets = _rebuilt_buckets(self.ddp, self.params, order)
-        self.views, self.flats, self.works = [], [], []
+        self.works = []
         after_forward(self.ddp, synced_backward=torch.is_grad_enabled())
 
     def _launch(self, b: int) -> None:
