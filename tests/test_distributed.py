@@ -96,6 +96,8 @@ def matches_eager_ddp(rank: int, world: int) -> None:
         (_mlp, {}),
         (_conv_bn, {}),
         (_mlp, {"bucket_cap_mb": 0.004}),
+        (_mlp, {"find_unused_parameters": True}),  # never rebuilds its buckets
+        (_mlp, {"static_graph": True}),
     ]
     for make, kwargs in settings:
         eager, pooled, _, step = _pair(make, **kwargs)
@@ -160,6 +162,19 @@ def evaluation_adds_nothing(rank: int, world: int) -> None:
             x, _ = _batch(pooled, rank, 9, batch=batch)
             assert torch.equal(fwd(x), pooled(x))
     assert pool.stats()["reserved_bytes"] == before, f"rank {rank}: evaluation grew the pool"
+
+
+@case
+def estimate_is_per_rank(rank: int, world: int) -> None:
+    model = _mlp()
+    x, y = _batch(model, rank, 0)
+    alone = sm.estimate(model, x, y, loss_fn=nn.functional.mse_loss)
+    wrapped = sm.estimate(DDP(model), x, y, loss_fn=nn.functional.mse_loss)
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert wrapped.train_peak_eager == alone.train_peak_eager + buckets
+    assert wrapped.train_peak_pooled == alone.train_peak_pooled + buckets
+    assert wrapped.train_bytes["gradients"] == alone.train_bytes["gradients"] + buckets
+    assert wrapped.eval_peak_pooled == alone.eval_peak_pooled
 
 
 @case
@@ -290,6 +305,10 @@ def test_evaluation_after_training_adds_zero_bytes_on_every_rank(
     ranks: Ranks,
 ) -> None:
     _check(ranks, "evaluation_adds_nothing")
+
+
+def test_the_estimate_is_per_rank_and_counts_the_buckets(ranks: Ranks) -> None:
+    _check(ranks, "estimate_is_per_rank")
 
 
 def test_out_of_memory_message_names_the_rank(ranks: Ranks) -> None:

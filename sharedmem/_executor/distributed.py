@@ -3,8 +3,9 @@
 A pooled step runs the wrapped module's graph, never ``DDP.forward``, so DDP's autograd
 hooks never fire and its reducer never sees a gradient. This module does the reducer's work
 the same way, driven by the DDP object itself: its process group, its parameter list, its
-bucketing (one bucket for everything at first, then rebuilt once, in the order the first
-synchronised step made its gradients final, as the reducer's ``rebuild_buckets`` does), its
+bucketing (its initial buckets, then rebuilt once, in the order the first synchronised step
+made its gradients final, the second with ``static_graph``, as the reducer's
+``rebuild_buckets`` does; never with ``find_unused_parameters``), its
 ``no_sync()`` flag, its buffer broadcast before the forward. Each gradient is multiplied by
 ``1 / world_size`` while it is copied into its bucket and the buckets are summed with one
 all-reduce each, as the reducer does, so the results equal eager DDP's bit for bit.
@@ -35,7 +36,7 @@ from .._backends import round_up
 from .._pool import BufferPool
 from .codegen import mutates
 
-__all__ = ["GradientSync", "grad_taps", "sync_buffers", "unwrap"]
+__all__ = ["GradientSync", "bucket_bytes", "grad_taps", "sync_buffers", "unwrap"]
 
 DDP = nn.parallel.DistributedDataParallel
 
@@ -158,10 +159,11 @@ class GradientSync:
         self.buckets = _initial_buckets(ddp, self.params)
         self.nbytes = sum(round_up(p.numel() * p.element_size(), 16) for p in self.params)
         self._views_key: tuple[int, list[list[int]]] | None = None
-        # The bucket layout is rebuilt once, after the first synchronised step, in the order
-        # that step made gradients final (unless unused parameters are searched for, as DDP).
+        # The bucket layout is rebuilt once, in the order a synchronised step made gradients
+        # final (unless unused parameters are searched for, as DDP).
         self.rebuild = ddp.static_graph or not ddp.find_unused_parameters
         self.order: list[int] = []
+        self.synced_steps = 0
         self.active = False
         self.step_params: Sequence[torch.Tensor] = ()
         self.where: list[int] = []  # step parameter k -> reducer index (-1: not reduced)
@@ -264,7 +266,10 @@ class GradientSync:
                     p.grad = view.clone(memory_format=torch.preserve_format)
                 else:
                     p.grad.copy_(view)
-        if self.rebuild:
+        self.synced_steps += 1
+        # A static graph's first step all-reduces everything at its end and records nothing:
+        # DDP rebuilds after its second step instead.
+        if self.rebuild and self.synced_steps == (2 if self.ddp.static_graph else 1):
             self.rebuild = False
             order = self.order + [i for i in range(len(self.params)) if i not in done]
             self.buckets = _rebuilt_buckets(self.ddp, self.params, order)
@@ -307,3 +312,8 @@ def _rebuilt_buckets(ddp: Any, params: list[torch.Tensor], order: list[int]) -> 
     limits = _limits(ddp)[1]
     indices, _ = _compute_bucket_assignment_by_size(ordered, limits, [], order)
     return [list(bucket) for bucket in indices]
+
+
+def bucket_bytes(ddp: Any) -> int:
+    """The bytes of ``ddp``'s gradient buckets: every parameter it reduces, once."""
+    return sum(p.numel() * p.element_size() for p in ddp._build_params_for_reducer()[0])
