@@ -22,21 +22,21 @@ A wrapper whose semantics the pooled step cannot reproduce (FSDP, ``DataParallel
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx import GraphModule, Node
 
 from .._backends import round_up
 from .._pool import BufferPool
 from .codegen import mutates
+from .graph import graph_outputs
 
-__all__ = ["GradientSync", "bucket_bytes", "grad_taps", "sync_buffers", "unwrap"]
+__all__ = ["GradientSync", "after_forward", "bucket_bytes", "grad_taps", "sync_buffers", "unwrap"]
 
 DDP = nn.parallel.DistributedDataParallel
 
@@ -50,9 +50,10 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, Any]:
     if ddp is not None:
         _check_ddp(ddp)
         model = ddp.module
+    refused = _refused_kinds()
     for name, module in model.named_modules():
         where = f"the submodule {name!r}" if name else "the model"
-        what = _refused_kind(module)
+        what = refused(module)
         if what is not None:
             raise TypeError(
                 f"sharedmem: {where} is wrapped by {what}, which a pooled step cannot honour "
@@ -63,21 +64,31 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, Any]:
     return model, ddp
 
 
-def _refused_kind(module: nn.Module) -> str | None:
+def _refused_kinds() -> Callable[[nn.Module], str | None]:
+    """What names the wrapper of a module that a pooled step cannot honour (``None``: none).
+
+    Imported here, not with the package: a PyTorch build without ``torch.distributed`` has
+    only ``DataParallel`` to refuse.
+    """
+    if not dist.is_available():
+        return lambda m: "DataParallel" if isinstance(m, nn.DataParallel) else None
     from torch.distributed._composable_state import _get_module_state
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    if isinstance(module, DDP):
-        return "DistributedDataParallel (nested: wrap the whole model once)"
-    if isinstance(module, nn.DataParallel):
-        return "DataParallel"
-    if isinstance(module, FullyShardedDataParallel):
-        return "FullyShardedDataParallel"
-    if isinstance(module, FSDPModule):
-        return "fully_shard (FSDP2)"
-    if _get_module_state(module) is not None:
-        return "a torch.distributed composable API (replicate, fully_shard)"
-    return None
+    def refused(module: nn.Module) -> str | None:
+        if isinstance(module, DDP):
+            return "DistributedDataParallel (nested: wrap the whole model once)"
+        if isinstance(module, nn.DataParallel):
+            return "DataParallel"
+        if isinstance(module, FullyShardedDataParallel):
+            return "FullyShardedDataParallel"
+        if isinstance(module, FSDPModule):
+            return "fully_shard (FSDP2)"
+        if _get_module_state(module) is not None:
+            return "a torch.distributed composable API (replicate, fully_shard)"
+        return None
+
+    return refused
 
 
 def _check_ddp(ddp: Any) -> None:
@@ -126,7 +137,7 @@ def grad_taps(gm: GraphModule, first: int, count: int) -> dict[Node, list[tuple[
     """
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
-    outputs = nodes[-1].args[0]
+    outputs = graph_outputs(nodes[-1])
     taps: dict[Node, list[tuple[int, int]]] = {}
     for k in range(count):
         value = outputs[first + k]
@@ -301,6 +312,8 @@ def _limits(ddp: Any) -> tuple[list[int], list[int]]:
 def _initial_buckets(ddp: Any, params: list[torch.Tensor]) -> list[list[int]]:
     # As DDP's constructor: assigned in parameter order, then reversed (the order in which
     # gradients are expected to be produced).
+    from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
+
     indices, _ = _compute_bucket_assignment_by_size(params, _limits(ddp)[0])
     return [list(bucket) for bucket in reversed(indices)]
 
@@ -308,6 +321,8 @@ def _initial_buckets(ddp: Any, params: list[torch.Tensor]) -> list[list[int]]:
 def _rebuilt_buckets(ddp: Any, params: list[torch.Tensor], order: list[int]) -> list[list[int]]:
     # As the reducer's rebuild_buckets: the parameters in the order their gradients became
     # final, a small first bucket, then the usual cap.
+    from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
+
     ordered = [params[i] for i in order]
     limits = _limits(ddp)[1]
     indices, _ = _compute_bucket_assignment_by_size(ordered, limits, [], order)
