@@ -195,8 +195,14 @@ def pooled_train_step(
     threads take turns; one executor, or one model, must not be called from two threads at
     once.
 
+    A ``DistributedDataParallel`` model (one pool per rank) gets its gradients averaged as
+    DDP averages them, by its process group and buckets, skipped under ``ddp.no_sync()``;
+    each bucket's all-reduce starts as soon as its gradients are final. Wrappers whose
+    communication the step would skip (FSDP, ``DataParallel``) raise ``TypeError``.
+
     Args:
-        model: the module; on the pool's device (``"emulated"`` pools take CPU modules).
+        model: the module, or a ``DistributedDataParallel`` around it; on the pool's device
+            (``"emulated"`` pools take CPU modules).
         loss_fn: ``loss_fn(model(inputs), targets)`` returns the scalar loss.
         pool: the ``BufferPool`` the activations live in.
         plan: ``"liveness"`` (intermediates whose lifetimes do not overlap share a buffer) or
