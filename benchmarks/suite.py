@@ -23,6 +23,7 @@ SUITE = [
     ("randomized stress", "bench_stress", "all"),
     ("pooled graph executor vs eager", "bench_executor", "all"),
     ("train step peak memory: pooled vs eager", "bench_step_memory", "all"),
+    ("data parallel: pooled DDP step vs eager DDP", "bench_distributed", "all"),
     ("CUDA: sync bandwidth, growth, views", "bench_cuda", "cuda"),
     ("activation offload vs save_on_cpu", "bench_offload", "cuda"),
 ]

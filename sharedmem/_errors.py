@@ -24,6 +24,8 @@ class OutOfMemoryError(SharedMemError, MemoryError):
         limit: the pool's cap on reserved device bytes, or ``None`` when the allocator
             itself ran out.
         device: the device string (``"cpu"``, ``"emulated"``, ``"cuda:0"`` ...).
+        process: ``"rank R of N"`` when raised under an initialized ``torch.distributed``
+            process group (every rank has its own pool), else ``""``.
     """
 
     def __init__(
@@ -33,6 +35,7 @@ class OutOfMemoryError(SharedMemError, MemoryError):
         limit: int | None,
         device: str,
         detail: str = "",
+        process: str | None = None,
         summary: str = "",
     ) -> None:
         self.requested = requested
@@ -40,6 +43,8 @@ class OutOfMemoryError(SharedMemError, MemoryError):
         self.limit = limit
         self.device = device
         self.detail = detail
+        # Under torch.distributed every rank has its own pool: say which one ran out.
+        self.process = _process() if process is None else process
         # A refusal made before anything ran (a budget too small for one example) says so
         # itself: ``summary`` replaces the growth's wording.
         self.summary = summary
@@ -48,14 +53,15 @@ class OutOfMemoryError(SharedMemError, MemoryError):
     def _message(self) -> str:
         if self.summary:
             return "\n".join(part for part in (self.summary, self.detail) if part)
+        where = f"{self.device} ({self.process})" if self.process else self.device
         if self.limit is None:
             head = (
-                f"sharedmem: out of memory on {self.device}: could not grow to "
+                f"sharedmem: out of memory on {where}: could not grow to "
                 f"{self.requested:,} bytes with {self.reserved:,} bytes already reserved"
             )
         else:
             head = (
-                f"sharedmem: out of memory on {self.device}: growing to {self.requested:,} bytes "
+                f"sharedmem: out of memory on {where}: growing to {self.requested:,} bytes "
                 f"would pass the limit of {self.limit:,} bytes ({self.reserved:,} reserved)"
             )
         if self.limit is None:  # the allocator ran out: pool or not, give memory back
@@ -73,7 +79,16 @@ class OutOfMemoryError(SharedMemError, MemoryError):
 
     def __reduce__(
         self,
-    ) -> tuple[type[OutOfMemoryError], tuple[int, int, int | None, str, str, str]]:
+    ) -> tuple[type[OutOfMemoryError], tuple[int, int, int | None, str, str, str, str]]:
         # MemoryError pickles only ``args``; keep every field so errors cross processes intact.
         fields = (self.requested, self.reserved, self.limit, self.device, self.detail)
-        return (type(self), (*fields, self.summary))
+        return (type(self), (*fields, self.process, self.summary))
+
+
+def _process() -> str:
+    """``rank R of N`` under an initialized ``torch.distributed`` process group, else ``""``."""
+    import torch.distributed as dist  # the floor imports no torch at module level
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    return f"rank {dist.get_rank()} of {dist.get_world_size()}"

@@ -100,6 +100,30 @@ def test_python_m_sharedmem_demo_runs() -> None:
     assert "eval adds" in done.stdout and "done in" in done.stdout
 
 
+def test_distributed_demo_runs_on_two_ranks_and_prints_their_memory() -> None:
+    # The documented command, on loopback gloo ranks: per-rank and total memory, and the
+    # losses equal eager DDP's (the demo's own verdict, exit 0).
+    command = ["-m", "sharedmem", "demo", "--distributed", "--steps", "4", "--train-batch", "64"]
+    command += ["--eval-batch", "50"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    done = subprocess.run(
+        [*torchrun, "2", *command],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "distributed demo: 2 ranks (gloo)" in done.stdout
+    rows = [
+        line.split() for line in done.stdout.splitlines() if line.strip().startswith(("0 ", "1 "))
+    ]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-2:] == ["0", "B"] for row in rows)
+    assert "total over 2 ranks" in done.stdout and "evaluation added 0 B" in done.stdout
+    # Without torchrun there is no rank to be: one line saying how to launch it, exit 2.
+    alone = subprocess.run([sys.executable, *command], capture_output=True, text=True)
+    assert alone.returncode == 2 and alone.stderr.startswith("sharedmem: demo --distributed")
+    assert "torchrun --standalone --nproc-per-node 2" in alone.stderr
+
+
 def test_cli_without_a_command_says_how_to_use_it() -> None:
     done = subprocess.run([sys.executable, "-m", "sharedmem"], capture_output=True, text=True)
     assert done.returncode == 2 and "usage: sharedmem" in done.stderr

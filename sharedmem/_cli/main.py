@@ -76,6 +76,10 @@ def _demo(args: argparse.Namespace) -> int:
         eval_batch=args.eval_batch,
         seed=args.seed,
     )
+    if args.distributed:  # one process per rank (torchrun); loaded only then
+        from .demo_distributed import run_distributed_demo
+
+        return run_distributed_demo(config)
     result = run_demo(config, plot=args.plot)
     failure = demo_verdict(result["losses"], result["per_net_losses"])
     if failure is not None:
@@ -132,6 +136,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         type=_output_path,
         help="write the pool's memory timeline as a PNG (needs matplotlib)",
+    )
+    add(
+        "--distributed",
+        action="store_true",
+        help="one rank per process, launched by torchrun: DDP with a pooled step and one pool "
+        "per rank; prints per-rank and total memory",
     )
     demo.set_defaults(run=_demo)
     add_stress_command(commands)

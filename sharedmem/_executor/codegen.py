@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from .._layout import extent
 from .graph import Buffer, NodeRun, graph_outputs
 from .ops import Kind, fill_value
 
-__all__ = ["Runner", "generate"]
+__all__ = ["Runner", "generate", "mutates"]
 
 # The generated function: (pool.tensor, *graph inputs) -> the graph's flat outputs.
 Runner = Callable[..., list[Any]]
@@ -113,6 +113,8 @@ def generate(
     device: torch.device,
     label: str,
     guarded: Sequence[int] = (),
+    taps: Mapping[Node, Sequence[tuple[int, int]]] | None = None,
+    on_ready: Callable[[int, torch.Tensor], None] | None = None,
 ) -> tuple[Runner, str]:
     """Return the runner of ``gm`` and its source.
 
@@ -126,6 +128,10 @@ def generate(
         label: names the generated code in tracebacks.
         guarded: the placeholders (by position) that may be views into the pool: data
             inputs, copied out first where they overlap a slot this graph writes.
+        taps: after each of these nodes, the outputs that are final then, as pairs ``(k,
+            position among the outputs)``: ``on_ready(k, value)`` is called for each (a
+            gradient's all-reduce starts there).
+        on_ready: what the taps call.
     """
     em = _Emitter(slot_bytes)
     nodes = list(gm.graph.nodes)
@@ -133,6 +139,7 @@ def generate(
     position = {n: i for i, n in enumerate(nodes)}
     last_use = {n: max((position[u] for u in n.users), default=i) for i, n in enumerate(nodes)}
     dying: dict[int, list[str]] = {}
+    outputs = graph_outputs(nodes[-1])
     params: list[str] = []
     body: list[str] = []
     for i, node in enumerate(nodes):
@@ -148,6 +155,9 @@ def generate(
             body.append(f"return {em.arg(graph_outputs(node))}")
             break
         body.append(f"{name} = {_expression(em, by_node[node], slots, device)}")
+        if taps and node in taps:
+            em.globals["_ready"] = on_ready
+            body += [f"_ready({k}, {em.arg(outputs[at])})" for k, at in taps[node]]
         if not any(u.op == "output" for u in node.users):
             dying.setdefault(last_use[node], []).append(name)
         for gone in dying.pop(i, []):
@@ -193,7 +203,7 @@ def _expression(
     kwargs: dict[str, object] = dict(node.kwargs)
     if node.target is operator.getitem:
         return f"{em.arg(args[0])}[{em.arg(args[1])}]"
-    if node.target in _IDENTITY and not any(_mutates(u) for u in node.users):
+    if node.target in _IDENTITY and not any(mutates(u) for u in node.users):
         return em.arg(args[0])
     views = [
         _zero_size(em, node, k, device) if b is None else em.view(slots[life], b, device)
@@ -219,7 +229,7 @@ def _expression(
     raise AssertionError(f"unhandled kind {rule.kind}")
 
 
-def _mutates(node: Node) -> bool:
+def mutates(node: Node) -> bool:
     # An in-place op on a detached tensor (t_() changes its metadata) must not reach the
     # tensor it was detached from, so such a detach runs for real.
     target = node.target

@@ -10,6 +10,7 @@ signature traces, plans and generates code; later calls only look the signature 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -22,6 +23,7 @@ from .._pool import BufferPool
 from .._validate import check_name
 from .binding import Binding, Place, State
 from .codegen import Runner, generate
+from .distributed import grad_taps, unwrap
 from .graph import BATCH_NORMS, Analysis, analyse
 from .plan import PLANS, Lifetime, PlanSummary, assign_slots, merge
 from .trace import Leaves, Traced
@@ -94,6 +96,8 @@ class Executor:
             )
         if plan not in PLANS:
             raise ValueError(f"sharedmem: plan must be one of {PLANS}, got {plan!r}")
+        # A DistributedDataParallel model runs its module; the wrapper drives the all-reduce.
+        model, self.ddp = unwrap(model)
         self.model = model
         self.pool = pool
         self.plan = str(plan)
@@ -154,7 +158,14 @@ class Executor:
                 )
 
     def _build(
-        self, traced: Traced, *, label: str, n_data: int, autocast: bool, outputs_in_pool: bool
+        self,
+        traced: Traced,
+        *,
+        label: str,
+        n_data: int,
+        autocast: bool,
+        outputs_in_pool: bool,
+        grad_ready: Callable[[int, torch.Tensor], None] | None = None,
     ) -> Compiled:
         """Plan ``traced``'s intermediates into pool slots and generate its runner.
 
@@ -165,6 +176,8 @@ class Executor:
             autocast: traced under autocast (the runner then runs the recorded casts as they
                 are, with autocast off).
             outputs_in_pool: the graph's outputs may be pool views (``pooled_forward``).
+            grad_ready: for a train graph, called as ``grad_ready(k, grad)`` as soon as the
+                ``k``-th gradient is final (a DDP bucket's all-reduce starts there).
         """
         gm = traced.gm
         analysis = analyse(gm, self.device)
@@ -175,8 +188,18 @@ class Executor:
         placeholders = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
         # Inputs (and targets) may be views into these very slots: the runner copies those.
         guarded = range(placeholders - n_data, placeholders)
+        n_grads = len(analysis.owned) - 1 - len(traced.stored)  # loss, *grads, *stored
+        taps = grad_taps(gm, 1, n_grads) if grad_ready is not None else None
         runner, source = generate(
-            gm, analysis.steps, plan.slots, plan.slot_bytes, self.device, label, guarded
+            gm,
+            analysis.steps,
+            plan.slots,
+            plan.slot_bytes,
+            self.device,
+            label,
+            guarded,
+            taps=taps,
+            on_ready=grad_ready,
         )
         return Compiled(
             runner,

@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._pool import BufferPool
+from .distributed import GradientSync, after_forward, sync_buffers
 from .executor import Executor, MemoryPlan, describe
 from .trace import flatten, trace_forward, trace_train
 
@@ -36,6 +37,7 @@ class PooledTrainStep(Executor):
         if not callable(loss_fn):
             raise TypeError(f"sharedmem: loss_fn must be callable, got {type(loss_fn).__name__}")
         self.loss_fn: Callable[[Any, Any], torch.Tensor] = loss_fn
+        self._sync = None if self.ddp is None else GradientSync(self.ddp, pool, self.prefix)
 
     def __call__(self, inputs: object, targets: object) -> torch.Tensor:
         """Run forward and backward, add the gradients into ``p.grad``, return the loss."""
@@ -53,9 +55,16 @@ class PooledTrainStep(Executor):
             label = describe("train step", x, y)
             n_data = len(x.tensors) + len(y.tensors)
             compiled = self._build(
-                traced, label=label, n_data=n_data, autocast=mode.autocast, outputs_in_pool=False
+                traced,
+                label=label,
+                n_data=n_data,
+                autocast=mode.autocast,
+                outputs_in_pool=False,
+                grad_ready=None if self._sync is None else self._sync.ready,
             )
             self._cache[key] = compiled
+        if self._sync is not None:
+            self._sync.begin(state.params)
         flat = [*state.params, *state.buffers, *x.tensors, *y.tensors]
         loss, *grads = self._run(compiled, binding, flat)
         owned_grads = compiled.owned[1 : 1 + len(grads)]
@@ -69,6 +78,8 @@ class PooledTrainStep(Executor):
                 p.grad = g if keep else torch.empty_like(p).copy_(g)
             else:
                 p.grad.add_(g)
+        if self._sync is not None:
+            self._sync.finish()
         result: torch.Tensor = loss if compiled.owned[0] else loss.clone()
         return result
 
@@ -127,7 +138,11 @@ class PooledForward(Executor):
                 outputs_in_pool=self.outputs_in_pool,
             )
             self._cache[key] = compiled
+        if self.ddp is not None:
+            sync_buffers(self.ddp)
         outputs = self._run(compiled, binding, [*state.params, *state.buffers, *x.tensors])
+        if self.ddp is not None:
+            after_forward(self.ddp, synced_backward=False)
         assert compiled.out_spec is not None
         return pytree.tree_unflatten(outputs, compiled.out_spec)
 

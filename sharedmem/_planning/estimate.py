@@ -22,6 +22,7 @@ from torch.func import functional_call
 
 from .._backends import backend_names
 from .._executor import PooledForward, PooledTrainStep
+from .._executor.distributed import bucket_bytes, unwrap
 from .._pool import BufferPool
 from .._pool.report import human_bytes
 from .live import LiveBytes, round_for
@@ -104,6 +105,10 @@ def estimate(
     is not a scalar. Figures are for ``device`` (any device string, usable here or not:
     ``"cuda"`` on a machine without a GPU works); the model and inputs stay where they are.
 
+    A ``DistributedDataParallel`` model is estimated for one rank: its module, plus the
+    reducer's gradient buckets (the bytes of the parameters it reduces, held for the whole
+    run) in the peaks and under ``gradients``.
+
     Not modelled: cuDNN/cuBLAS workspaces, the CUDA context, fragmentation of the caching
     allocator (blocks are rounded to 512 bytes, nothing more), the vmm backend's 2 MiB chunk
     granularity, and memory a custom autograd function or a hook allocates outside ATen ops.
@@ -139,6 +144,11 @@ def estimate(
         )
     name = _device_name(device)
     rounding = round_for(name)
+    # Under DistributedDataParallel: this rank's module, plus the reducer's gradient buckets
+    # (a second copy of the gradients, held for the whole run; the pooled step keeps them in
+    # its pool).
+    model, ddp = unwrap(model)
+    buckets = 0 if ddp is None else rounding(bucket_bytes(ddp))
     loss = loss_fn if loss_fn is not None else _output_as_loss
     was_training = model.training
     try:
@@ -155,7 +165,7 @@ def estimate(
         eval_plan = PooledForward(model, BufferPool("cpu")).memory_plan(_real(inputs))
     finally:
         model.train(was_training)
-    static = train.parameters + train.inputs
+    static = train.parameters + train.inputs + buckets
     grads, state = train.gradients, train.optimizer_state
     train_peak_eager = static + state + max(train.forward_backward, grads + train.step_temporaries)
     pool_bytes = rounding(train_plan.pooled_bytes)
@@ -168,7 +178,7 @@ def estimate(
     eval_static = train.parameters + train.model_inputs
     categories = {
         "parameters": train.parameters,
-        "gradients": grads,
+        "gradients": grads + buckets,
         "optimizer_state": state,
         "inputs": train.inputs,
         "activations": train.activations,

@@ -73,6 +73,11 @@ def pooled_train_step(
     threads take turns; one executor, or one model, must not be called from two threads at
     once.
 
+    A ``DistributedDataParallel`` model (one pool per rank) gets its gradients averaged as
+    DDP averages them, by its process group and buckets, skipped under ``ddp.no_sync()``;
+    each bucket's all-reduce starts as soon as its gradients are final. Wrappers whose
+    communication the step would skip (FSDP, ``DataParallel``) raise ``TypeError``.
+
     **Fitting a memory budget.** With ``budget=`` (bytes, or ``"free"``) each batch runs as
     the fewest micro-batches ("chunks", split along ``batch_dim``) whose planned peak fits,
     chosen from the executor's plan before anything runs (no trial runs) and kept per input

@@ -1,0 +1,164 @@
+"""Data parallel: a pooled train step on a DistributedDataParallel model against eager DDP.
+
+Two gloo ranks on this machine (loopback, one thread each), spawned by the benchmark. In
+every rank the same model is wrapped twice in ``DistributedDataParallel``: one copy runs
+eagerly (``zero_grad``, forward, ``backward``, which all-reduces as DDP does), the other as
+``sm.pooled_train_step(ddp_model, ...)``; both are timed interleaved in the same processes
+(medians of many rounds, see ``harness.interleaved``), after warm-up (DDP's buckets rebuilt,
+the pooled graph traced). Time is the slower rank's median per step.
+
+Memory per rank is DESIGN §8's measure: the peak of the allocator's running sum over one step
+relative to its start, with gradients set to ``None`` first, plus the bytes held across steps
+that the step needs: for eager DDP its reducer's gradient buckets (the parameters' bytes,
+allocated outside the step), for the pooled step the pool's ``reserved_bytes`` (activation
+slots and the same buckets).
+
+Models: the MLP and the ResNet-style CNN of ``bench_step_memory``, float32 on CPU.
+Target (DESIGN §7): pooled DDP step time <= 1.05x eager DDP on 2 CPU ranks.
+
+    python benchmarks/bench_distributed.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch._C._profiler import _EventType
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step_memory import CASES
+from harness import Progress, Row, interleaved, row, script_main
+
+import sharedmem as sm
+
+WORLD = 2
+MODELS = ("mlp", "resnet")
+
+
+def allocator_peak(step: Callable[[], object]) -> int:
+    """The peak of the running sum of the allocator's events during ``step``.
+
+    The figure ``bench_step_memory.allocator_peak`` gives, read from the raw allocation
+    events: the profiler's memory timeline builds a data-flow graph first, which asserts
+    ("duplicate outputs") on some eager DDP steps.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while events:
+        event = events.pop()
+        events.extend(event.children)
+        if event.typed[0] == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
+    live = peak = 0
+    for _, size in sorted(allocations, key=lambda a: a[0]):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def _measure(rank: int, name: str, quick: bool) -> dict[str, float]:
+    _, make, data = next(case for case in CASES if case[0] == name)
+    torch.manual_seed(0)
+    model = make()
+    eager = DDP(make())
+    eager.module.load_state_dict(model.state_dict())
+    pooled = DDP(model)
+    torch.manual_seed(rank)  # every rank its own batch
+    x, y = data(16 if quick else 32)
+    loss_fn = nn.functional.cross_entropy
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(pooled, loss_fn, pool=pool)
+
+    def eager_step() -> None:
+        eager.zero_grad()
+        loss_fn(eager(x), y).backward()
+
+    def pooled_step() -> None:
+        pooled.zero_grad()
+        step(x, y)
+
+    rounds, number = (5, 3) if quick else (21, 5)
+    times = interleaved({"eager": eager_step, "pooled": pooled_step}, rounds=rounds, number=number)
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+    eager.zero_grad()
+    eager_peak = allocator_peak(lambda: loss_fn(eager(x), y).backward()) + buckets
+    pooled.zero_grad()
+    pooled_peak = allocator_peak(lambda: step(x, y)) + pool.stats()["reserved_bytes"]
+    return {
+        "eager_s": times["eager"],
+        "pooled_s": times["pooled"],
+        "eager_peak": eager_peak,
+        "pooled_peak": pooled_peak,
+    }
+
+
+def _rank_main(rank: int, port: int, quick: bool, out: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(minutes=5))
+    torch.set_num_threads(1)
+    try:
+        figures = {name: _measure(rank, name, quick) for name in MODELS}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(figures))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(quick: bool = False, device: str = "cpu", progress: Progress | None = None) -> list[Row]:
+    if device != "cpu":
+        return [row(f"data parallel ({device})", 0, "", target="CPU gloo ranks only: skipped")]
+    if progress is not None:
+        progress.say(f"data parallel: {WORLD} gloo ranks, {', '.join(MODELS)}")
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_rank_main, args=(_free_port(), quick, out), nprocs=WORLD, join=True)
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    rows = []
+    for name in MODELS:
+        eager_s = max(r[name]["eager_s"] for r in ranks)
+        pooled_s = max(r[name]["pooled_s"] for r in ranks)
+        rows.append(
+            row(
+                f"{name} DDP step time, {WORLD} ranks",
+                pooled_s,
+                "s",
+                baseline=eager_s,
+                target="<= 1.05x eager DDP",
+                ok=pooled_s <= 1.05 * eager_s,
+            )
+        )
+        for rank, figures in enumerate(ranks):
+            eager, pooled = figures[name]["eager_peak"], figures[name]["pooled_peak"]
+            rows.append(
+                row(
+                    f"{name} DDP step peak, rank {rank}",
+                    pooled,
+                    "B",
+                    baseline=eager,
+                    target="<= 1.0x eager DDP",
+                    ok=pooled <= eager,
+                )
+            )
+    return rows
+
+
+if __name__ == "__main__":
+    script_main(__doc__, run, f"data parallel on {WORLD} CPU ranks ({{device}})")

@@ -1,0 +1,162 @@
+"""The main job on several ranks: ``torchrun --nproc-per-node 2 -m sharedmem demo --distributed``.
+
+Every rank trains the demo's MLP, wrapped in ``DistributedDataParallel``, with a pooled train
+step whose activations and gradient buckets live in that rank's own pool (on ``cuda:LOCAL_RANK``
+or ``cpu``), and evaluates it with a pooled forward on the same pool. The same model trained
+eagerly with DDP beside it gives the reference losses. Rank 0 prints each rank's memory and
+the total; every rank must add 0 bytes for evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._errors import SharedMemError
+from .._planning import pooled_forward, pooled_train_step
+from .._pool import BufferPool
+from .._pool.report import human_bytes
+from .demo import DemoConfig, SyntheticData
+
+__all__ = ["RankMemory", "run_distributed_demo"]
+
+
+class RankMemory(NamedTuple):
+    """One rank's pool after the run (bytes)."""
+
+    rank: int
+    device: str
+    reserved: int
+    buckets: int  # of ``reserved``: the DDP gradient buckets
+    peak: int
+    eval_added: int
+
+
+def _mlp(config: DemoConfig) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(config.features, config.hidden),
+        nn.ReLU(),
+        nn.Linear(config.hidden, config.hidden),
+        nn.ReLU(),
+        nn.Linear(config.hidden, config.classes),
+    )
+
+
+def _init(config: DemoConfig) -> tuple[int, int, str]:
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise SharedMemError(
+            "sharedmem: demo --distributed runs one process per rank: launch it with torchrun, "
+            "for example `torchrun --standalone --nproc-per-node 2 -m sharedmem demo "
+            "--distributed`"
+        )
+    cuda = config.device.startswith("cuda")
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else config.device
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def run_distributed_demo(config: DemoConfig) -> int:
+    """Train and evaluate on every rank; rank 0 prints the figures. Returns the exit status:
+    0, or 1 when a loss is not finite, the pooled losses differ from eager DDP's, or an
+    evaluation at a batch no larger than training's added bytes on some rank."""
+    from .main import demo_verdict  # main imports this module on demand: no cycle
+
+    rank, world, device = _init(config)
+    model_device = "cpu" if device == "emulated" else device
+    torch.manual_seed(config.seed)  # the same initial weights everywhere (DDP broadcasts them)
+    pooled_model = _mlp(config).to(model_device)
+    eager_model = _mlp(config).to(model_device)
+    eager_model.load_state_dict(pooled_model.state_dict())
+    pooled = nn.parallel.DistributedDataParallel(pooled_model)
+    eager = nn.parallel.DistributedDataParallel(eager_model)
+    pool = BufferPool(device)
+    loss_fn = nn.functional.cross_entropy
+    step = pooled_train_step(pooled, loss_fn, pool=pool)
+    evaluate = pooled_forward(pooled, pool=pool)
+    opts = [torch.optim.SGD(m.parameters(), lr=config.lr) for m in (pooled, eager)]
+    data = SyntheticData(DemoConfig(**{**config.__dict__, "seed": config.seed + rank}))
+    losses: list[float] = []
+    eager_losses: list[float] = []
+    eval_added = 0
+    say: Callable[..., None] = print if rank == 0 else (lambda *a, **k: None)
+    say(
+        f"distributed demo: {world} ranks ({dist.get_backend()}), one pool per rank on "
+        f"{device if world == 1 else device.split(':')[0]}; MLP {config.features}-"
+        f"{config.hidden}-{config.hidden}-{config.classes}, batch {config.train_batch} per rank"
+    )
+    for index in range(config.steps):
+        x, y = (t.to(model_device) for t in data.batch(config.train_batch))
+        for opt in opts:
+            opt.zero_grad()
+        losses.append(_mean(step(x, y)))
+        eager_loss: torch.Tensor = loss_fn(eager(x), y)
+        eager_loss.backward()  # type: ignore[no-untyped-call]
+        eager_losses.append(_mean(eager_loss.detach()))
+        for opt in opts:
+            opt.step()
+        if (index + 1) % config.eval_every == 0 or index + 1 == config.steps:
+            before = pool.stats()["reserved_bytes"]
+            pooled_model.eval()
+            ex, ey = (t.to(model_device) for t in data.batch(config.eval_batch))
+            accuracy = (evaluate(ex).argmax(1) == ey).float().mean()
+            pooled_model.train()
+            eval_added += pool.stats()["reserved_bytes"] - before
+            say(
+                f"  step {index + 1:4d}: train loss {losses[-1]:.4f} (eager DDP "
+                f"{eager_losses[-1]:.4f}), eval accuracy {_mean(accuracy):.3f}"
+            )
+    stats = pool.stats()
+    mine = RankMemory(
+        rank,
+        device,
+        stats["reserved_bytes"],
+        pool.blob("act.ddp.buckets").data_memory.size,
+        stats["peak_reserved_bytes"],
+        eval_added,
+    )
+    gathered: list[RankMemory | None] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    figures = [f for f in gathered if f is not None]
+    _print_memory(figures, say)
+    failure = demo_verdict(losses, eager_losses)
+    fits = config.eval_batch <= config.train_batch  # a bigger eval batch may well grow the pool
+    if failure is None and fits and any(f.eval_added for f in figures):
+        failure = "evaluation added bytes on a rank"
+    dist.barrier()
+    dist.destroy_process_group()
+    if failure is not None:
+        if rank == 0:
+            print(f"sharedmem: demo failed: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _mean(value: torch.Tensor) -> float:
+    """The mean of ``value`` over the ranks (what a DDP user reports)."""
+    total = value.detach().float().reshape(1).clone()
+    dist.all_reduce(total)
+    mean = total.item() / dist.get_world_size()
+    return mean if math.isfinite(mean) else math.nan
+
+
+def _print_memory(figures: list[RankMemory], say: Callable[..., None]) -> None:
+    say("memory per rank (each rank has its own pool):")
+    say(f"  {'rank':>4}  {'device':<8}  {'pool':>10}  {'buckets':>10}  {'peak':>10}  eval adds")
+    for f in figures:
+        say(
+            f"  {f.rank:>4}  {f.device:<8}  {human_bytes(f.reserved):>10}  "
+            f"{human_bytes(f.buckets):>10}  {human_bytes(f.peak):>10}  {f.eval_added:,} B"
+        )
+    total = sum(f.reserved for f in figures)
+    added = sum(f.eval_added for f in figures)
+    say(f"  total over {len(figures)} ranks: {human_bytes(total)}, evaluation added {added:,} B")

@@ -1,0 +1,325 @@
+"""Pooled steps under torch.distributed: gloo ranks on CPU, spawned here, against eager DDP.
+
+Spawning ranks costs seconds, so each world size is spawned once (a module fixture) and runs
+every case; each rank records per case ``None`` or the traceback, and each test below reads
+its case's record from every rank. The ranks see different data, so a gradient that was not
+averaged, or averaged in another order, differs from eager DDP's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sharedmem as sm
+
+Ranks = dict[int, dict[str, str | None]]  # per rank, per case: None or the traceback
+CASES: dict[str, Callable[[int, int], None]] = {}
+
+
+def case(fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(24, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
+
+
+def _conv_bn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+
+
+def _batch(model: nn.Module, rank: int, step: int, batch: int = 8) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1000 * rank + step)  # different data on every rank
+    conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    shape = (batch, 3, 8, 8) if conv else (batch, 24)
+    return torch.randn(*shape, generator=g), torch.randn(batch, 4, generator=g)
+
+
+def _pair(
+    make: Callable[[], nn.Module], **ddp_kwargs: object
+) -> tuple[DDP, DDP, sm.BufferPool, sm._executor.PooledTrainStep]:
+    torch.manual_seed(0)
+    model = make()
+    eager = DDP(copy.deepcopy(model), **ddp_kwargs)  # type: ignore[arg-type]
+    pooled = DDP(model, **ddp_kwargs)  # type: ignore[arg-type]
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(pooled, nn.functional.mse_loss, pool=pool)
+    return eager, pooled, pool, step
+
+
+def _same_grads(eager: nn.Module, pooled: nn.Module, when: str) -> None:
+    for (name, a), b in zip(eager.named_parameters(), pooled.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None), f"{when}: {name}.grad presence differs"
+        if a.grad is not None:
+            assert b.grad is not None
+            assert torch.equal(a.grad, b.grad), f"{when}: {name}.grad differs from eager DDP's"
+
+
+def _same_state(eager: nn.Module, pooled: nn.Module, when: str) -> None:
+    for (name, a), b in zip(eager.state_dict().items(), pooled.state_dict().values(), strict=True):
+        assert torch.equal(a, b), f"{when}: {name} differs from eager DDP's"
+
+
+@case
+def matches_eager_ddp(rank: int, world: int) -> None:
+    # An MLP in one bucket, a conv net whose batch-norm buffers DDP broadcasts from rank 0,
+    # and the MLP in many small buckets (the first one smaller, as DDP makes it).
+    settings: list[tuple[Callable[[], nn.Module], dict[str, object]]] = [
+        (_mlp, {}),
+        (_conv_bn, {}),
+        (_mlp, {"bucket_cap_mb": 0.004}),
+        (_mlp, {"find_unused_parameters": True}),  # never rebuilds its buckets
+        (_mlp, {"static_graph": True}),
+    ]
+    for make, kwargs in settings:
+        eager, pooled, _, step = _pair(make, **kwargs)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, pooled)]
+        for i in range(4):  # the buckets are rebuilt after the first step, as DDP does
+            x, y = _batch(eager, rank, i)
+            for opt in opts:
+                opt.zero_grad()
+            expected = nn.functional.mse_loss(eager(x), y)
+            expected.backward()
+            loss = step(x, y)
+            when = f"{make.__name__} {kwargs} step {i}"
+            assert torch.equal(loss, expected.detach()), f"{when}: the loss differs"
+            _same_grads(eager, pooled, when)
+            for opt in opts:
+                opt.step()
+            _same_state(eager, pooled, when)
+        # The all-reduce of a bucket starts inside the graph, right where its last gradient
+        # is final: one call per gradient in the generated code.
+        n_params = sum(1 for _ in pooled.parameters())
+        assert step.source().count("_ready(") == n_params
+
+
+@case
+def no_sync_accumulates_locally(rank: int, world: int) -> None:
+    eager, pooled, _, step = _pair(_mlp)
+    for i in range(6):  # two accumulation cycles of three micro-batches
+        x, y = _batch(eager, rank, i)
+        last = i % 3 == 2
+        contexts = [(m.no_sync() if not last else _nothing()) for m in (eager, pooled)]
+        with contexts[0]:
+            nn.functional.mse_loss(eager(x), y).backward()
+        with contexts[1]:
+            step(x, y)
+        _same_grads(eager, pooled, f"micro-batch {i} ({'synced' if last else 'no_sync'})")
+        if last:
+            for m in (eager, pooled):
+                m.zero_grad()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@case
+def evaluation_adds_nothing(rank: int, world: int) -> None:
+    _, pooled, pool, step = _pair(_conv_bn)
+    for i in range(2):
+        pooled.zero_grad()
+        step(*_batch(pooled, rank, i, batch=16))
+    before = pool.stats()["reserved_bytes"]
+    # The buckets live in the pool, in one buffer of the parameters' bytes (16-byte aligned).
+    nbytes = sum(-(-p.numel() * p.element_size() // 16) * 16 for p in pooled.parameters())
+    assert pool.blob("act.ddp.buckets").data_memory.size == nbytes
+    fwd = sm.pooled_forward(pooled.eval(), pool=pool)
+    with torch.no_grad():
+        for batch in (16, 4):
+            x, _ = _batch(pooled, rank, 9, batch=batch)
+            assert torch.equal(fwd(x), pooled(x))
+    assert pool.stats()["reserved_bytes"] == before, f"rank {rank}: evaluation grew the pool"
+
+
+@case
+def estimate_is_per_rank(rank: int, world: int) -> None:
+    model = _mlp()
+    x, y = _batch(model, rank, 0)
+    alone = sm.estimate(model, x, y, loss_fn=nn.functional.mse_loss)
+    wrapped = sm.estimate(DDP(model), x, y, loss_fn=nn.functional.mse_loss)
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert wrapped.train_peak_eager == alone.train_peak_eager + buckets
+    assert wrapped.train_peak_pooled == alone.train_peak_pooled + buckets
+    assert wrapped.train_bytes["gradients"] == alone.train_bytes["gradients"] + buckets
+    assert wrapped.eval_peak_pooled == alone.eval_peak_pooled
+
+
+@case
+def out_of_memory_names_the_rank(rank: int, world: int) -> None:
+    model = DDP(_mlp())
+    step = sm.pooled_train_step(model, nn.functional.mse_loss, pool=sm.BufferPool(limit=1024))
+    with pytest.raises(sm.OutOfMemoryError, match=rf"on cpu \(rank {rank} of {world}\)"):
+        step(*_batch(model, rank, 0))
+
+
+class _OwnForward(DDP):
+    def forward(self, *inputs: object, **kwargs: object) -> object:
+        return super().forward(*inputs, **kwargs)
+
+
+@case
+def refuses_what_it_cannot_honour(rank: int, world: int) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.fsdp import fully_shard
+
+    hooked = DDP(_mlp())
+    hooked.register_comm_hook(None, allreduce_hook)  # type: ignore[arg-type]
+    wrappers: dict[str, Callable[[], nn.Module]] = {
+        "DataParallel": lambda: nn.DataParallel(_mlp()),
+        "fully_shard": lambda: fully_shard(_mlp()),
+        "DistributedDataParallel (nested": lambda: nn.Sequential(DDP(_mlp())),
+        "overrides forward": lambda: _OwnForward(_mlp()),
+        "communication hook": lambda: hooked,
+    }
+    for what, make in wrappers.items():
+        with pytest.raises(TypeError, match="^sharedmem: .*" + re.escape(what)):
+            sm.pooled_train_step(make(), nn.functional.mse_loss, pool=sm.BufferPool())
+
+
+def _grads_with_and_without_offload(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    grads: list[list[torch.Tensor]] = []
+    # A first step without offload: DDP rebuilds its buckets after it, which changes the
+    # order three ranks' values are summed in; the two compared steps both use the new ones.
+    for offload in (False, False, True):
+        model.zero_grad()
+        if offload:
+            with sm.save_on_pool(sm.BufferPool("emulated"), min_bytes=0):
+                loss = model(x).square().mean()
+        else:
+            loss = model(x).square().mean()
+        loss.backward()
+        grads.append([_full(p.grad) for p in model.parameters() if p.grad is not None])
+    plain, offloaded = grads[1:]
+    assert plain and len(plain) == len(offloaded)
+    for a, b in zip(plain, offloaded, strict=True):
+        assert torch.equal(a, b), "save_on_pool changed a gradient"
+    return plain
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 gradients are DTensors
+
+
+@case
+def save_on_pool_keeps_gradients(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    x, _ = _batch(_conv_bn(), rank, 0)
+    torch.manual_seed(0)
+    _grads_with_and_without_offload(DDP(_conv_bn()), x)
+    torch.manual_seed(0)
+    model = _mlp()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x, _ = _batch(_mlp(), rank, 0)
+    _grads_with_and_without_offload(model, x)
+
+
+def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    # A failing rank must not leave the others waiting for ever in a collective.
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    results: dict[str, str | None] = {}
+    try:
+        for name, fn in CASES.items():
+            try:
+                fn(rank, world)
+                results[name] = None
+            except Exception:
+                results[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}-ranks")
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Ranks:
+    world = request.param
+    out = tmp_path_factory.mktemp(f"ranks{world}")
+    mp.spawn(_rank_main, args=(world, _free_port(), str(out)), nprocs=world, join=True)
+    return {r: json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)}
+
+
+def _check(ranks: Ranks, name: str) -> None:
+    failures = {r: res.get(name, "not run") for r, res in ranks.items()}
+    failed = {r: text for r, text in failures.items() if text is not None}
+    assert not failed, "\n".join(f"rank {r}:\n{text}" for r, text in failed.items())
+
+
+def test_gradients_losses_and_buffers_equal_eager_ddp(
+    ranks: Ranks,
+) -> None:
+    _check(ranks, "matches_eager_ddp")
+
+
+def test_no_sync_steps_skip_the_all_reduce(ranks: Ranks) -> None:
+    _check(ranks, "no_sync_accumulates_locally")
+
+
+def test_evaluation_after_training_adds_zero_bytes_on_every_rank(
+    ranks: Ranks,
+) -> None:
+    _check(ranks, "evaluation_adds_nothing")
+
+
+def test_the_estimate_is_per_rank_and_counts_the_buckets(ranks: Ranks) -> None:
+    _check(ranks, "estimate_is_per_rank")
+
+
+def test_out_of_memory_message_names_the_rank(ranks: Ranks) -> None:
+    _check(ranks, "out_of_memory_names_the_rank")
+
+
+def test_wrappers_it_cannot_honour_are_refused(ranks: Ranks) -> None:
+    _check(ranks, "refuses_what_it_cannot_honour")
+
+
+def test_save_on_pool_under_ddp_and_fsdp2_keeps_gradients(
+    ranks: Ranks,
+) -> None:
+    _check(ranks, "save_on_pool_keeps_gradients")
