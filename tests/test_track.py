@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import HAS_CUDA, requires_cuda
+from conftest import HAS_CUDA, requires_gpu
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action
@@ -169,7 +169,7 @@ def test_totals_are_the_allocators_at_every_boundary_and_so_are_peaks_without_sc
 
 
 @pytest.mark.cuda
-@requires_cuda
+@requires_gpu
 def test_totals_are_cuda_memory_allocated_at_every_phase_boundary() -> None:
     torch.manual_seed(0)
     model = Recurrent().cuda()
