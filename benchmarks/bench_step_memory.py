@@ -23,13 +23,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
-from torch.profiler._memory_profiler import Action
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Progress, Row, row, script_main
 
 import sharedmem as sm
+from sharedmem.testing import allocator_peak
 
 Case = tuple[str, Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, torch.Tensor]]]
 
@@ -108,22 +107,6 @@ CASES: list[Case] = [
         lambda b: (torch.randint(0, 1000, (b, 64)), torch.randint(0, 10, (b,))),
     ),
 ]
-
-
-def allocator_peak(step: Callable[[], object]) -> int:
-    """The peak of the running sum of the allocator's events during ``step``."""
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        step()
-    live = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
-    return peak
 
 
 def _peaks(case: Case, batch: int, device: str) -> dict[str, int]:

@@ -1,5 +1,5 @@
-"""Capability flags, skip marks, a printed seed for every randomized test, state resets, and
-the allocator-event measure of a step's peak (DESIGN §8)."""
+"""Capability flags, skip marks, a printed seed for every randomized test, and state
+resets."""
 
 from __future__ import annotations
 
@@ -8,15 +8,13 @@ import importlib.util
 import os
 import random
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
-from torch.profiler import ProfilerActivity, profile
-from torch.profiler._memory_profiler import Action
 
 import sharedmem as sm
 
@@ -171,19 +169,3 @@ def make_memory(placement: tuple[str, str], nbytes: int = 0) -> sm.SyncedMemory:
 def storage_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the storage under ``tensor``, what ``torch.save`` or ``deepcopy`` reads."""
     return int(tensor.untyped_storage().nbytes())
-
-
-def allocator_peak(step: Callable[[], None]) -> int:
-    """The peak of the running sum of the allocator's events during ``step``."""
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
-        step()
-    live = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
-    return peak

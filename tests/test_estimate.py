@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import allocator_peak
 from torch import nn
 
 import sharedmem as sm
 from sharedmem._cli import main
+from sharedmem.testing import allocator_peak
 
 F = nn.functional.cross_entropy
 Optim = Callable[[list[nn.Parameter]], torch.optim.Optimizer]

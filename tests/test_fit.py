@@ -14,10 +14,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from conftest import allocator_peak
 from torch import nn
 
 import sharedmem as sm
+from sharedmem.testing import allocator_peak
 
 F = nn.functional
 

@@ -270,12 +270,13 @@ class Executor:
             unpooled_ops=analysis.unpooled_ops,
         )
 
+    def slot_names(self) -> list[str]:
+        """The pool buffers this executor's plans use: ``prefix`` and a number."""
+        prefix = self.prefix
+        return [n for n in self.pool.names() if n.startswith(prefix) and n[len(prefix) :].isdigit()]
+
     def _capacities(self) -> dict[str, int]:
-        slots = {}
-        for name in self.pool.names():
-            if name.startswith(self.prefix) and name[len(self.prefix) :].isdigit():
-                slots[name] = self.pool.blob(name).data_memory.device_capacity
-        return slots
+        return {n: self.pool.blob(n).data_memory.device_capacity for n in self.slot_names()}
 
     def _run(self, compiled: Compiled, binding: Binding, flat: list[torch.Tensor]) -> list[Any]:
         """Run the graph; write back what it stores on the module; return the other outputs."""

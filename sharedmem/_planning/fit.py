@@ -106,7 +106,8 @@ class Fitted:
     # ---- choosing ---------------------------------------------------------------------------
 
     def _accumulating(self) -> bool:
-        return False
+        """Whether gradients are there already (the step adds into them)."""
+        return any(p.grad is not None for p in self.model.parameters())
 
     def _count(self, inputs: object, targets: object, accumulating: bool) -> int:
         total = self.splitter.examples(inputs, targets)
@@ -242,14 +243,11 @@ class Fitted:
             )
 
 
-def give_back_slots(pool: BufferPool, prefix: str) -> bool:
-    """Free the memory of the executor's buffers under ``prefix`` (scratch between calls:
-    their next call regrows them to its own plan); whether any held memory."""
-    freed = 0
-    for name in pool.names():
-        if name.startswith(prefix) and name[len(prefix) :].isdigit():
-            freed += pool.blob(name).data_memory.release()
-    return freed > 0
+def give_back_slots(executor: PooledTrainStep | PooledForward) -> bool:
+    """Free the memory of the executor's slot buffers (scratch between calls: the next call
+    regrows them to its own plan); whether any held memory."""
+    pool = executor.pool
+    return sum(pool.blob(name).data_memory.release() for name in executor.slot_names()) > 0
 
 
 def _distinct(parts: Iterable[Chunk]) -> list[Chunk]:
@@ -302,9 +300,6 @@ class FittedTrainStep(Fitted):
         assert total is not None
         return total
 
-    def _accumulating(self) -> bool:
-        return any(p.grad is not None for p in self.step.model.parameters())
-
     def _weights(self) -> bool:
         return self.reduction == "mean" or self.splitter.user_split is not None
 
@@ -338,7 +333,7 @@ class FittedTrainStep(Fitted):
         return ChunkNeed(beside, plan.slot_bytes)
 
     def _give_back(self) -> bool:
-        return give_back_slots(self.step.pool, self.step.prefix)
+        return give_back_slots(self.step)
 
     def _say(self, chunks: int) -> None:
         self._say_batch_wide(chunks)
@@ -386,7 +381,7 @@ class FittedForward(Fitted):
         return ChunkNeed(beside, plan.slot_bytes)
 
     def _give_back(self) -> bool:
-        return give_back_slots(self.forward.pool, self.forward.prefix)
+        return give_back_slots(self.forward)
 
 
 def concatenate(outputs: list[Any], batch_dim: int) -> Any:
@@ -449,9 +444,6 @@ class FitStep(Fitted):
             total = loss if total is None else total + loss
         assert total is not None
         return total
-
-    def _accumulating(self) -> bool:
-        return any(p.grad is not None for p in self.model.parameters())
 
     def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
         rounding = round_for(str(self.device))
