@@ -9,7 +9,8 @@ MobileNet-style CNN, an MLP and a small transformer encoder, all at small sizes 
 ``torch.compile`` is left out: compiling these on 2 CPU cores takes minutes per model.
 
 Targets (DESIGN §7): pooled peak <= 1.0x eager on every model, median <= 0.85x, <= 1.0x with
-gradients already present.
+gradients already present; step time (gradients set to ``None`` each step, interleaved, median)
+<= 1.0x eager over the set.
 
     python benchmarks/bench_step_memory.py [--quick] [--device cpu] [--json PATH]
 """
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Progress, Row, row, script_main
+from harness import Progress, Row, interleaved, row, script_main
 
 import sharedmem as sm
 from sharedmem.testing import allocator_peak
@@ -109,7 +110,7 @@ CASES: list[Case] = [
 ]
 
 
-def _peaks(case: Case, batch: int, device: str) -> dict[str, int]:
+def _figures(case: Case, batch: int, device: str, rounds: int) -> dict[str, float]:
     _, make, data = case
     torch.manual_seed(0)
     eager = make()
@@ -119,21 +120,40 @@ def _peaks(case: Case, batch: int, device: str) -> dict[str, int]:
     loss_fn = nn.functional.cross_entropy
     pool = sm.BufferPool(device)
     step = sm.pooled_train_step(pooled, loss_fn, pool=pool)
-    step(x, y)  # traced, slots grown: the steady state is measured
 
     def eager_step() -> None:
         loss_fn(eager(x), y).backward()
 
-    figures = {}
-    for grads in ("none", "present"):
+    def set_grads(grads: str) -> None:
         for model in (eager, pooled):
             model.zero_grad(set_to_none=grads == "none")
             if grads == "present":
                 for p in model.parameters():
                     p.grad = torch.zeros_like(p)
+
+    figures: dict[str, float] = {}
+    for grads in ("none", "present"):
+        set_grads(grads)
+        step(x, y)  # with gradients present the step adds into them: its own graph, traced here
+        eager_step()
+        set_grads(grads)
         figures[f"eager {grads}"] = allocator_peak(eager_step)
         reserved = pool.stats()["reserved_bytes"]
         figures[f"pooled {grads}"] = allocator_peak(lambda: step(x, y)) + reserved
+
+    def timed(run: Callable[[], object], model: nn.Module) -> Callable[[], None]:
+        def one() -> None:
+            model.zero_grad(set_to_none=True)
+            run()
+
+        return one
+
+    times = interleaved(
+        {"eager": timed(eager_step, eager), "pooled": timed(lambda: step(x, y), pooled)},
+        rounds=rounds,
+        number=3,
+    )
+    figures["eager time"], figures["pooled time"] = times["eager"], times["pooled"]
     return figures
 
 
@@ -141,11 +161,11 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
     if device.startswith("cuda"):
         return [row("step memory (cuda)", 0, "", target="CPU only for now: skipped", ok=None)]
     batch = 8 if quick else 32
-    rows, ratios = [], []
+    rows, ratios, speeds = [], [], []
     for case in CASES:
         if progress is not None:
             progress.say(f"step memory: {case[0]} at batch {batch}")
-        figures = _peaks(case, batch, device)
+        figures = _figures(case, batch, device, rounds=5 if quick else 15)
         for grads in ("none", "present"):
             eager, pooled = figures[f"eager {grads}"], figures[f"pooled {grads}"]
             ratio = pooled / eager
@@ -161,8 +181,19 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
                     ok=ratio <= 1.0,
                 )
             )
+        speeds.append(figures["pooled time"] / figures["eager time"])
+        rows.append(
+            row(
+                f"{case[0]} step time ({device})",
+                figures["pooled time"] * 1e3,
+                "ms",
+                baseline=figures["eager time"] * 1e3,
+            )
+        )
     median = statistics.median(ratios)
     rows.append(row("median pooled/eager peak", median, "x", target="<= 0.85x", ok=median <= 0.85))
+    speed = statistics.median(speeds)
+    rows.append(row("median pooled/eager step time", speed, "x", target="<= 1.0x", ok=speed <= 1.0))
     return rows
 
 

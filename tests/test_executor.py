@@ -330,6 +330,7 @@ def test_ops_without_out_form_are_counted_as_unpooled() -> None:
     summary = step.plan_summary()
     assert "aten.convolution.default" in summary.unpooled_ops  # no native out= form
     assert pool.stats()["unpooled_bytes_total"] == summary.unpooled_bytes > 0
+    model.zero_grad(set_to_none=True)  # the same signature again
     step(*image_batch(4))
     assert pool.stats()["unpooled_bytes_total"] == 2 * summary.unpooled_bytes
 
@@ -387,13 +388,19 @@ def test_the_graph_is_cached_per_signature() -> None:
     _, model = twins(bn_dropout)
     step = sm.pooled_train_step(model, nn.CrossEntropyLoss(), pool=sm.BufferPool())
     x, y = image_batch(4)
-    step(x, y)
-    step(x, y)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        step(x, y)
     assert len(step.plan_summaries()) == 1
+    # With gradients present the step adds into them in its own graph.
+    step(x, y)
+    step(x, y)
+    assert len(step.plan_summaries()) == 2
+    assert "adding into existing gradients" in str(step.plan_summary())
     model.eval()  # the training flag is part of the signature
     step(x, y)
     step(x.float().double(), y)
-    assert len(step.plan_summaries()) == 2
+    assert len(step.plan_summaries()) == 3
     assert "def run(" in step.source()
 
 

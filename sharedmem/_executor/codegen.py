@@ -80,7 +80,7 @@ class _Emitter:
             parts.append(extra)
         return f"{fn}({', '.join(parts)})"
 
-    def view(self, slot: str | None, buffer: Buffer, device: torch.device) -> str:
+    def view(self, slot: str | None, buffer: Buffer, device: torch.device, offset: int = 0) -> str:
         dtype = self.const(buffer.dtype, "d")
         if slot is None:  # a result the caller keeps: fresh memory, as eager would allocate
             dev = self.const(device, "dev")
@@ -88,7 +88,11 @@ class _Emitter:
                 f"torch.empty_strided({buffer.size!r}, {buffer.stride!r}, dtype={dtype}, "
                 f"device={dev})"
             )
-        return f"{self._slot(slot, buffer.dtype)}.as_strided({buffer.size!r}, {buffer.stride!r})"
+        typed = self._slot(slot, buffer.dtype)
+        if offset:  # in elements: offsets are multiples of 64 bytes, so of every itemsize
+            at = offset // buffer.dtype.itemsize
+            return f"{typed}.as_strided({buffer.size!r}, {buffer.stride!r}, {at})"
+        return f"{typed}.as_strided({buffer.size!r}, {buffer.stride!r})"
 
     def _slot(self, slot: str, dtype: torch.dtype) -> str:
         # Each slot is fetched once per call as bytes, with the same shape on every call, so
@@ -115,6 +119,9 @@ def generate(
     guarded: Sequence[int] = (),
     taps: Mapping[Node, Sequence[tuple[int, int]]] | None = None,
     on_ready: Callable[[int, torch.Tensor], None] | None = None,
+    offsets: Sequence[int] = (),
+    eager: frozenset[int] = frozenset(),
+    over: Mapping[int, Node] | None = None,
 ) -> tuple[Runner, str]:
     """Return the runner of ``gm`` and its source.
 
@@ -132,6 +139,11 @@ def generate(
             position among the outputs)``: ``on_ready(k, value)`` is called for each (a
             gradient's all-reduce starts there).
         on_ready: what the taps call.
+        offsets: the byte offset of each lifetime in its slot (all ``0`` when left out).
+        eager: the lifetimes the plan leaves out of the pool: a node all of whose results
+            are such runs its own op, allocating as eager does.
+        over: lifetimes left out of the pool that are written over a dying operand (this
+            graph value) through the op's ``out=`` form, as its in-place form would.
     """
     em = _Emitter(slot_bytes)
     nodes = list(gm.graph.nodes)
@@ -154,7 +166,9 @@ def generate(
         if node.op == "output":
             body.append(f"return {em.arg(graph_outputs(node))}")
             break
-        body.append(f"{name} = {_expression(em, by_node[node], slots, device)}")
+        step = by_node[node]
+        where = offsets or [0] * len(slots)
+        body.append(f"{name} = {_expression(em, step, slots, where, device, eager, over or {})}")
         if taps and node in taps:
             em.globals["_ready"] = on_ready
             body += [f"_ready({k}, {em.arg(outputs[at])})" for k, at in taps[node]]
@@ -196,7 +210,13 @@ def _copy_out(t: torch.Tensor) -> torch.Tensor:
 
 
 def _expression(
-    em: _Emitter, step: NodeRun, slots: Sequence[str | None], device: torch.device
+    em: _Emitter,
+    step: NodeRun,
+    slots: Sequence[str | None],
+    offsets: Sequence[int],
+    device: torch.device,
+    eager: frozenset[int],
+    over: Mapping[int, Node],
 ) -> str:
     node, rule = step.node, step.rule
     args: list[object] = list(node.args)
@@ -205,8 +225,15 @@ def _expression(
         return f"{em.arg(args[0])}[{em.arg(args[1])}]"
     if node.target in _IDENTITY and not any(mutates(u) for u in node.users):
         return em.arg(args[0])
+    lives = [life for life in step.lifetimes if life >= 0]
+    if lives and all(life in eager and life not in over for life in lives):
+        return em.call(em.const(node.target, "o"), args, kwargs, "")  # as eager: it allocates
     views = [
-        _zero_size(em, node, k, device) if b is None else em.view(slots[life], b, device)
+        _zero_size(em, node, k, device)
+        if b is None
+        else em.arg(over[life])
+        if life in over
+        else em.view(slots[life], b, device, offsets[life])
         for k, (b, life) in enumerate(zip(step.buffers, step.lifetimes, strict=True))
     ]
     match rule.kind:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, Node
 
 from .._backends import round_up
 from .._pool import BufferPool
@@ -123,19 +123,19 @@ def after_forward(ddp: Any, *, synced_backward: bool) -> None:
     ddp.require_forward_param_sync = synced_backward
 
 
-def grad_taps(gm: GraphModule, first: int, count: int) -> dict[Node, list[tuple[int, int]]]:
-    """Where in ``gm`` each of the outputs ``first .. first + count - 1`` becomes final.
+def grad_taps(graph: Graph, first: int, count: int) -> dict[Node, list[tuple[int, int]]]:
+    """Where in ``graph`` each of the outputs ``first .. first + count - 1`` becomes final.
 
     Returns, for each node, the gradients whose value is final once that node has run (the
     node that produces the output, or the last op writing into it in place), as pairs of the
     gradient's number (from 0) and its position among the outputs.
 
     Args:
-        gm: a traced train graph.
+        graph: a traced train graph.
         first: the position of the first gradient among the graph's outputs.
         count: how many gradients follow it.
     """
-    nodes = list(gm.graph.nodes)
+    nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     outputs = graph_outputs(nodes[-1])
     taps: dict[Node, list[tuple[int, int]]] = {}

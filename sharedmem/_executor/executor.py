@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx import Node
 
 from .._backends import round_up
 from .._pool import BufferPool
@@ -24,7 +25,8 @@ from .._validate import check_name
 from .binding import Binding, Place, State
 from .codegen import Runner, generate
 from .distributed import grad_taps, unwrap
-from .graph import BATCH_NORMS, Analysis, analyse
+from .graph import BATCH_NORMS, Analysis, analyse, op_name
+from .placement import place, timeline_peak
 from .plan import PLANS, Lifetime, PlanSummary, assign_slots, merge
 from .trace import Leaves, Traced
 
@@ -37,23 +39,32 @@ class MemoryPlan(NamedTuple):
     one call (all of them: an upper bound of what is live beside it at once), and the size
     each slot would be grown to on the pool as it is now (what a budget is checked against),
     and the bytes of the results a call hands back in fresh memory (loss and gradients, or
-    the forward's outputs)."""
+    the forward's outputs), and the most bytes of fresh results (unpooled intermediates and
+    returned results) live at once during a call: the step's peak beside the pool."""
 
     pooled_bytes: int
     unpooled_bytes: int
     slot_bytes: dict[str, int]
     returned_bytes: int
+    beside_peak: int = 0
 
 
 class SlotPlan(NamedTuple):
     """Where a graph's planned intermediates live: a slot name per lifetime (``None`` for
-    results the caller keeps) and each slot's bytes."""
+    results the caller keeps and for those left to run as eager) and each slot's bytes."""
 
     slots: list[str | None]
+    offsets: list[int]  # per lifetime, its byte offset in its slot
     slot_bytes: dict[str, int]
     lifetimes: list[Lifetime]  # of the planned values
     joined: list[Lifetime]  # after merging in-place pairs
     existing: dict[str, int]  # slot capacities before this plan
+    eager: frozenset[int]  # lifetimes not pooled: their ops run as eager, allocating
+    over: dict[int, Node]  # lifetimes not pooled that are written over a dying operand
+    beside_peak: int  # the most bytes of fresh results live at once in a call
+    unpooled_bytes: int  # bytes of intermediates allocated beside the pool per call
+    unpooled_ops: tuple[str, ...]
+    alone: dict[str, int]  # the bytes per slot the same plan needs on a pool of its own
 
 
 @dataclass(frozen=True)
@@ -166,6 +177,7 @@ class Executor:
         autocast: bool,
         outputs_in_pool: bool,
         grad_ready: Callable[[int, torch.Tensor], None] | None = None,
+        accumulated: int = 0,
     ) -> Compiled:
         """Plan ``traced``'s intermediates into pool slots and generate its runner.
 
@@ -178,6 +190,8 @@ class Executor:
             outputs_in_pool: the graph's outputs may be pool views (``pooled_forward``).
             grad_ready: for a train graph, called as ``grad_ready(k, grad)`` as soon as the
                 ``k``-th gradient is final (a DDP bucket's all-reduce starts there).
+            accumulated: how many placeholders right before the data are gradients the graph
+                adds into (``accumulate``): written in place, but not put back on failure.
         """
         gm = traced.gm
         analysis = analyse(gm, self.device)
@@ -189,7 +203,7 @@ class Executor:
         # Inputs (and targets) may be views into these very slots: the runner copies those.
         guarded = range(placeholders - n_data, placeholders)
         n_grads = len(analysis.owned) - 1 - len(traced.stored)  # loss, *grads, *stored
-        taps = grad_taps(gm, 1, n_grads) if grad_ready is not None else None
+        taps = grad_taps(gm.graph, 1, n_grads) if grad_ready is not None else None
         runner, source = generate(
             gm,
             analysis.steps,
@@ -198,6 +212,9 @@ class Executor:
             self.device,
             label,
             guarded,
+            offsets=plan.offsets,
+            eager=plan.eager,
+            over=plan.over,
             taps=taps,
             on_ready=grad_ready,
         )
@@ -206,11 +223,15 @@ class Executor:
             source,
             self._summary(gm, analysis, plan, label),
             analysis.owned,
-            analysis.unpooled_bytes,
+            plan.unpooled_bytes,
             traced.stored,
             autocast,
             traced.spec,
-            mutated_inputs(gm),
+            tuple(
+                i
+                for i in mutated_inputs(gm)
+                if not placeholders - n_data - accumulated <= i < placeholders - n_data
+            ),
         )
 
     def _memory_plan(self, traced: Traced, *, outputs_in_pool: bool) -> MemoryPlan:
@@ -218,13 +239,12 @@ class Executor:
         growing anything (the planning layer's estimate stands on this)."""
         analysis = analyse(traced.gm, self.device)
         plan = self._plan(analysis, traced, outputs_in_pool)
-        share = self.plan == "liveness"
-        alone = assign_slots(plan.joined, {}, share=share, prefix=self.prefix)[1]
         return MemoryPlan(
-            pooled_bytes=sum(round_up(n, 16) for n in alone.values()),
-            unpooled_bytes=analysis.unpooled_bytes,
+            pooled_bytes=sum(round_up(n, 16) for n in plan.alone.values()),
+            unpooled_bytes=plan.unpooled_bytes,
             slot_bytes=plan.slot_bytes,
             returned_bytes=returned_bytes(traced.gm),
+            beside_peak=plan.beside_peak,
         )
 
     def _plan(self, analysis: Analysis, traced: Traced, outputs_in_pool: bool) -> SlotPlan:
@@ -234,41 +254,114 @@ class Executor:
         first_kept = 0 if not outputs_in_pool else n_outputs - len(traced.stored)
         kept = frozenset().union(*analysis.returned_by[first_kept:])
         planned = [i for i in range(len(analysis.lifetimes)) if i not in kept]
+        # Outputs asked for as pool views must be pool views (analysis.returned: read by
+        # outputs; here only those not kept, so those of outputs_in_pool=True).
+        wanted = analysis.returned - kept
         index = {life: k for k, life in enumerate(planned)}
         share = self.plan == "liveness"
-        pairs = [
-            (index[a], index[b]) for a, b in analysis.inplace if share and a in index and b in index
+        found = [
+            (index[a], index[b], a, node)
+            for (a, b), node in zip(analysis.inplace, analysis.over, strict=True)
+            if share and a in index and b in index
         ]
         lifetimes = [analysis.lifetimes[i] for i in planned]
-        joined, member = merge(lifetimes, pairs)
+        joined, member = merge(lifetimes, [(a, b) for a, b, _, _ in found])
         existing = self._capacities()
-        names, need = assign_slots(joined, existing, share=share, prefix=self.prefix)
+        # The scratch of ops without an out= form is counted at its node, so the plan keeps
+        # room for it where eager has it too.
+        fresh = [*(analysis.lifetimes[i] for i in kept), *analysis.beside, *analysis.scratch]
+        horizon = len(traced.gm.graph.nodes)
+        offsets: list[int | None] = [0] * len(joined)
+        if share:
+            # One arena, planned in the pool's own granularity (what it will really hold).
+            arena = f"{self.prefix}0"
+            granularity = max(16, self.pool.granularity)
+            capacity = existing.get(arena, 0)
+            must = frozenset(member[index[i]] for i in wanted)
+            placed = place(
+                joined,
+                fresh,
+                capacity,
+                horizon=horizon,
+                granularity=granularity,
+                must=must,
+                ceiling=self._arena_ceiling(capacity),
+            )
+            offsets = placed.offsets
+            names: list[str | None] = [arena if o is not None else None for o in offsets]
+            need = {arena: placed.need} if placed.need else {}
+            if capacity:
+                again = place(joined, fresh, 0, horizon=horizon, granularity=granularity, must=must)
+                alone = {arena: again.need} if again.need else {}
+            else:
+                alone = need
+        else:  # the one-buffer-per-node baseline pools everything
+            every, need = assign_slots(joined, existing, share=False, prefix=self.prefix)
+            names = list(every)
+            alone = assign_slots(joined, {}, share=False, prefix=self.prefix)[1]
         slots: list[str | None] = [None] * len(analysis.lifetimes)
+        where = [0] * len(analysis.lifetimes)
+        eager: set[int] = set()
         for k, i in enumerate(planned):
             slots[i] = names[member[k]]
+            where[i] = offsets[member[k]] or 0
+            if slots[i] is None:
+                eager.add(i)
+        over = {a: node for _, _, a, node in found if a in eager}
+        left = [joined[j] for j, name in enumerate(names) if name is None]
+        beside_peak = timeline_peak([*fresh, *left], horizon)
+        ops = [
+            op_name(step.node.target)
+            for step in analysis.steps
+            if any(life in eager for life in step.lifetimes)
+        ]
         # Whole multiples of 16 bytes, so a slot's bytes view as any dtype.
         slot_bytes = {name: round_up(n, 16) for name, n in need.items()}
-        return SlotPlan(slots, slot_bytes, lifetimes, joined, existing)
+        return SlotPlan(
+            slots,
+            where,
+            slot_bytes,
+            lifetimes,
+            joined,
+            existing,
+            frozenset(eager),
+            over,
+            beside_peak,
+            analysis.unpooled_bytes + sum(life.nbytes for life in left),
+            tuple(dict.fromkeys([*analysis.unpooled_ops, *ops])),
+            alone,
+        )
 
     def _summary(
         self, gm: torch.fx.GraphModule, analysis: Analysis, plan: SlotPlan, label: str
     ) -> PlanSummary:
-        share = self.plan == "liveness"
-        alone = assign_slots(plan.joined, {}, share=share, prefix=self.prefix)[1]
+        alone = plan.alone
+        pooled = [life for i, life in enumerate(plan.slots) if life is not None]
         return PlanSummary(
             plan=self.plan,
             signature=label,
             nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
-            pooled_values=len(plan.lifetimes),
+            pooled_values=len(pooled),
             slots=len(alone),
             pooled_bytes=sum(alone.values()),
             per_node_bytes=sum(life.nbytes for life in plan.lifetimes),
             added_bytes=sum(
                 max(0, n - plan.existing.get(name, 0)) for name, n in plan.slot_bytes.items()
             ),
-            unpooled_bytes=analysis.unpooled_bytes,
-            unpooled_ops=analysis.unpooled_ops,
+            unpooled_bytes=plan.unpooled_bytes,
+            unpooled_ops=plan.unpooled_ops,
         )
+
+    def _arena_ceiling(self, capacity: int) -> int | None:
+        """The most the arena may grow to under the pool's limit (``None``: no limit): what
+        does not fit runs beside the pool rather than fail."""
+        limit = self.pool.limit
+        if limit is None:
+            return None
+        others = self.pool.stats()["device_reserved_bytes"] - capacity
+        # A moving backend holds the old block beside the new one while it grows.
+        room = limit - others - (0 if self.pool.stable_address else capacity)
+        return max(capacity, room)
 
     def slot_names(self) -> list[str]:
         """The pool buffers this executor's plans use: ``prefix`` and a number."""
@@ -301,15 +394,15 @@ class Executor:
         if not compiled.stored:
             return outputs
         n = len(outputs) - len(compiled.stored)
-        for place, value, owned in zip(
+        for where, value, owned in zip(
             compiled.stored, outputs[n:], compiled.owned[n:], strict=True
         ):
-            module = binding.modules[place.path]
+            module = binding.modules[where.path]
             value = value if owned else value.clone()
-            if place.kind == "_buffers" and place.attr not in module._buffers:
-                module.register_buffer(place.attr, value)  # registered during the forward
+            if where.kind == "_buffers" and where.attr not in module._buffers:
+                module.register_buffer(where.attr, value)  # registered during the forward
             else:
-                setattr(module, place.attr, value)  # as the forward's assignment did
+                setattr(module, where.attr, value)  # as the forward's assignment did
         return outputs[:n]
 
 

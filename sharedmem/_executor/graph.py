@@ -75,8 +75,14 @@ class Analysis:
         inplace: pairs ``(result, operand)`` of lifetimes where a pointwise op may write its
             result over an operand that dies at that op (same shape, strides and dtype), as
             its in-place form would; planning puts each pair in one buffer.
+        over: per pair of ``inplace``, the graph value of the operand (what a result that is
+            not pooled is written over).
         unpooled_bytes: bytes of intermediates allocated outside the pool per call.
         unpooled_ops: the ops that allocate them.
+        beside: the lifetime of every fresh result of an op that always allocates (no native
+            ``out=`` form), graph outputs included: what runs beside the pool, in time.
+        scratch: per such op, the memory its kernel works in while it runs, modelled (see
+            ``_scratch``) and live at its node only.
     """
 
     steps: list[NodeRun]
@@ -85,8 +91,11 @@ class Analysis:
     returned_by: tuple[frozenset[int], ...]
     owned: tuple[bool, ...]
     inplace: tuple[tuple[int, int], ...]
+    over: tuple[Node, ...]
     unpooled_bytes: int
     unpooled_ops: tuple[str, ...]
+    beside: tuple[Lifetime, ...] = ()
+    scratch: tuple[Lifetime, ...] = ()
 
 
 def op_name(target: object) -> str:
@@ -110,6 +119,9 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
     starts: list[tuple[int, int]] = []  # (nbytes, start) per lifetime
     steps: list[NodeRun] = []
     plain: list[tuple[StorageWeakRef, int, str]] = []  # fresh results of PLAIN ops
+    plain_owner: dict[StorageWeakRef, int] = {}  # their storages -> index into ``plain``
+    plain_starts: list[int] = []
+    scratch: list[Lifetime] = []
     for i, node in enumerate(nodes):
         results = [r for r in _results(node) if isinstance(r, torch.Tensor)]
         for r in results:
@@ -132,8 +144,13 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
             rule = _rule(node, device, all_fresh=len(set(keys) - seen) == len(results))
             if rule.kind is Kind.PLAIN:
                 for r, key in zip(results, keys, strict=True):
-                    if key not in seen:
+                    if key not in seen and key not in plain_owner:
+                        plain_owner[key] = len(plain)
                         plain.append((key, extent(r), op_name(node.target)))
+                        plain_starts.append(i)
+                work = _scratch(node, results)
+                if work:
+                    scratch.append(Lifetime(work, i, i))
                 steps.append(NodeRun(node, i, rule))
             elif rule.kind is Kind.ALIAS:
                 if not set(keys) <= seen:
@@ -159,12 +176,21 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
             )
         seen.update(keys)
     ends = [start for _, start in starts]
+    plain_ends = list(plain_starts)
     for node in nodes:
         for used in node.all_input_nodes:
             for key in storages[used]:
                 if key in owner:
                     ends[owner[key]] = max(ends[owner[key]], position[node])
+                if key in plain_owner:
+                    k = plain_owner[key]
+                    plain_ends[k] = max(plain_ends[k], position[node])
     lifetimes = [Lifetime(n, s, e) for (n, s), e in zip(starts, ends, strict=True)]
+    beside = tuple(
+        Lifetime(n, s, e)
+        for (_, n, _), s, e in zip(plain, plain_starts, plain_ends, strict=True)
+        if n
+    )
     outputs = graph_outputs(nodes[-1])
     out_keys = [storages[o] if isinstance(o, Node) else set() for o in outputs]
     everything = [k for keys in out_keys for k in keys]
@@ -181,9 +207,34 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
     kept = set(everything)
     unpooled = [(n, op) for key, n, op in plain if key not in kept and n]
     ops = tuple(dict.fromkeys(op for _, op in unpooled))
-    inplace = _inplace(steps, storages, owner, ends)
+    found = _inplace(steps, storages, owner, ends)
+    inplace = tuple((result, operand) for result, operand, _ in found)
+    over = tuple(node for _, _, node in found)
     unpooled_bytes = sum(n for n, _ in unpooled)
-    return Analysis(steps, lifetimes, returned, returned_by, owned, inplace, unpooled_bytes, ops)
+    return Analysis(
+        steps,
+        lifetimes,
+        returned,
+        returned_by,
+        owned,
+        inplace,
+        over,
+        unpooled_bytes,
+        ops,
+        beside,
+        tuple(scratch),
+    )
+
+
+def _scratch(node: Node, results: list[torch.Tensor]) -> int:
+    # Kernels without an out= form (oneDNN's convolutions, their backward) allocate working
+    # copies while they run: measured on the CPU, a convolution's is about its input in
+    # oneDNN's blocked layout, its backward's about its input plus its results. So: the
+    # biggest tensor argument plus the results, an upper bound for pointwise and reduction
+    # kernels, which need none.
+    inputs = [n.meta.get("val") for n in node.all_input_nodes]
+    biggest = max((extent(t) for t in inputs if isinstance(t, torch.Tensor)), default=0)
+    return biggest + sum(extent(r) for r in results)
 
 
 def _inplace(
@@ -191,12 +242,12 @@ def _inplace(
     storages: dict[Node, set[StorageWeakRef]],
     owner: dict[StorageWeakRef, int],
     ends: list[int],
-) -> tuple[tuple[int, int], ...]:
+) -> list[tuple[int, int, Node]]:
     # A pointwise kernel reads element k of its operands before it writes element k of its
     # result, so writing over an operand with the very same layout is what ``add_`` does.
     # Without this, a backward chain (max_pool2d_backward -> threshold_backward) needs a
     # buffer for the dying operand and another for the result at the same moment.
-    pairs: list[tuple[int, int]] = []
+    pairs: list[tuple[int, int, Node]] = []
     used: set[int] = set()
     for step in steps:
         target = step.node.target
@@ -215,10 +266,10 @@ def _inplace(
             # overlap (a transposed view of it) would be read after being overwritten.
             same = [o for o in operands if storages[o] == keys]
             if all(_layout(o) == _layout_of(result) for o in same):
-                pairs.append((step.lifetimes[0], life))
+                pairs.append((step.lifetimes[0], life, operand))
                 used.add(life)
                 break
-    return tuple(pairs)
+    return pairs
 
 
 def _layout(node: Node) -> tuple[object, ...]:

@@ -5,6 +5,7 @@ budgets and chunks on top."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._pool import BufferPool
+from .accumulate import accumulating
 from .distributed import GradientSync, after_forward, sync_buffers
 from .executor import Executor, MemoryPlan, describe
 from .trace import flatten, trace_forward, trace_train
@@ -45,14 +47,24 @@ class PooledTrainStep(Executor):
         x = flatten(inputs, "inputs")
         y = flatten(targets, "targets")
         mode = self._mode()
-        key = (state.key, x.key, y.key, mode)
+        traced_key = (state.key, x.key, y.key, mode)
+        # Gradients already there are added into inside the graph (see ``accumulate``); the
+        # DDP path keeps them out of it, since its buckets average the new gradients alone.
+        present = () if self._sync is not None else tuple(p.grad is not None for p in state.params)
+        key = (*traced_key, present)
         compiled = self._cache.get(key)
         if compiled is None:
             self._check_devices(state, x, y)
-            traced = self._traced.get(key) or trace_train(
+            traced = self._traced.get(traced_key) or trace_train(
                 self.model, self.loss_fn, binding, state, x, y
             )
+            if any(present):
+                first_data = len(state.params) + len(state.buffers)
+                gm = accumulating(traced.gm, [p.grad for p in state.params], first_data)
+                traced = dataclasses.replace(traced, gm=gm)
             label = describe("train step", x, y)
+            if any(present):
+                label += ", adding into existing gradients"
             n_data = len(x.tensors) + len(y.tensors)
             compiled = self._build(
                 traced,
@@ -61,11 +73,17 @@ class PooledTrainStep(Executor):
                 autocast=mode.autocast,
                 outputs_in_pool=False,
                 grad_ready=None if self._sync is None else self._sync.ready,
+                accumulated=sum(present),
             )
             self._cache[key] = compiled
         if self._sync is not None:
             self._sync.begin(state.params)
-        flat = [*state.params, *state.buffers, *x.tensors, *y.tensors]
+        held = [
+            g
+            for p, there in zip(state.params, present, strict=False)
+            if there and (g := p.grad) is not None
+        ]
+        flat = [*state.params, *state.buffers, *held, *x.tensors, *y.tensors]
         loss, *grads = self._run(compiled, binding, flat)
         owned_grads = compiled.owned[1 : 1 + len(grads)]
         for p, g, owned in zip(state.params, grads, owned_grads, strict=True):

@@ -169,11 +169,10 @@ def estimate(
     grads, state = train.gradients, train.optimizer_state
     train_peak_eager = static + state + max(train.forward_backward, grads + train.step_temporaries)
     pool_bytes = rounding(train_plan.pooled_bytes)
+    # The plan's own timeline: what runs beside the pool (unpooled results, their scratch,
+    # the new gradients) at its busiest node; then the optimizer's step beside the gradients.
     train_peak_pooled = (
-        static
-        + state
-        + pool_bytes
-        + max(rounding(train_plan.unpooled_bytes) + grads, grads + train.step_temporaries)
+        static + state + pool_bytes + max(train_plan.beside_peak, grads + train.step_temporaries)
     )
     eval_static = train.parameters + train.model_inputs
     categories = {
@@ -190,10 +189,7 @@ def estimate(
         train_peak_pooled=train_peak_pooled,
         eval_peak_eager=eval_static + eval_peak,
         eval_peak_pooled=(
-            eval_static
-            + rounding(eval_plan.pooled_bytes)
-            + rounding(eval_plan.unpooled_bytes)
-            + out_bytes
+            eval_static + rounding(eval_plan.pooled_bytes) + max(eval_plan.beside_peak, out_bytes)
         ),
         train_bytes={key: categories[key] for key in CATEGORIES},
         module_activation_bytes=train.modules,

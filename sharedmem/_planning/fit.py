@@ -326,8 +326,9 @@ class FittedTrainStep(Fitted):
         rounding = round_for(str(self.device))
         held_grads = _grad_bytes(self.model, rounding) if accumulating or chunks > 1 else 0
         beside = {
-            "ops beside the pool": rounding(plan.unpooled_bytes),
-            "new gradients": rounding(plan.returned_bytes),
+            # The plan's timeline at its busiest: unpooled results, their scratch, and the
+            # new gradients (those not added into existing ones inside the graph).
+            "beside the pool (new gradients included)": plan.beside_peak,
             "gradients held between chunks": held_grads,
         }
         return ChunkNeed(beside, plan.slot_bytes)
@@ -375,8 +376,8 @@ class FittedForward(Fitted):
         # Every chunk's output is held until they are joined, then the joined copy.
         held = 1 if chunks == 1 else 2 * chunks
         beside = {
-            "ops beside the pool": rounding(plan.unpooled_bytes),
-            "outputs": held * rounding(plan.returned_bytes),
+            "beside the pool (one output included)": plan.beside_peak,
+            "outputs": (held - 1) * rounding(plan.returned_bytes),
         }
         return ChunkNeed(beside, plan.slot_bytes)
 

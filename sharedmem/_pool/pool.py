@@ -161,6 +161,19 @@ class BufferPool:
     def device(self) -> str:
         return self._base.device
 
+    @property
+    def granularity(self) -> int:
+        """Device-side capacities are whole multiples of this many bytes (4096 on the CPU's
+        default backend, the VMM granule on ``cuda``): what a planner rounds buffers to."""
+        backend = self._accel if self._accel is not None else self._host
+        return int(backend.granularity)
+
+    @property
+    def stable_address(self) -> bool:
+        """Whether device-side growth keeps a buffer's address (no copy, old views valid)."""
+        backend = self._accel if self._accel is not None else self._host
+        return bool(backend.stable_address)
+
     def names(self) -> list[str]:
         """The buffer names, in the order they were first asked for."""
         return list(self._blobs)

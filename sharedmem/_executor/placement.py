@@ -1,0 +1,238 @@
+"""Which intermediates of a graph go into pool buffers, chosen for the step's peak memory.
+
+A pool buffer ("slot") is reserved for the whole step and kept after it, while a result that
+an op allocates itself lives only from its op to its last read. Pooling every intermediate
+would therefore cost more than eager wherever ops without a native ``out=`` kernel
+(convolution and its backward, layer norm, attention) allocate beside the pool: the peak
+would be the slots' bytes plus the most bytes ever live beside them, where eager's is the
+most bytes live at once. So every byte of the step is put on one timeline: at node ``t`` the
+step holds ``A + U(t)``, the slots' bytes ``A`` and the bytes ``U(t)`` of fresh results live
+then, and an intermediate is pooled only where that does not raise ``max_t A + U(t)``.
+
+Intermediates are taken largest first. One that fits a slot free for its whole lifetime goes
+there (that only lowers ``U``). Otherwise it may grow a free slot or make a new one, which
+adds to ``A`` at every node, and it is taken only where the step's peak does not rise: the
+first graph on a pool (which establishes it) takes ties, since a pooled result costs no
+allocation on any later call; a graph planned onto slots other graphs made takes a new byte
+only where it lowers the peak, so that, say, an evaluation after training adds nothing.
+What is left runs as eager runs it, allocating. Passes repeat while any is taken: a result
+refused early may fit a slot made after it was looked at.
+
+Starting from nothing pooled, the peak never rises, so a planned step needs at most what the
+same graph needs on the allocator alone: eager's schedule, freed at each value's last read,
+with pointwise results written over dying operands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import Lifetime
+
+__all__ = ["Placed", "place", "timeline_peak"]
+
+# The share of the step's peak kept free, beside a value the arena grows for, at the nodes
+# where that value is not live.
+_MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where each candidate lives in the arena (its byte offset; ``None``: it runs as eager,
+    allocating), and the step's planned memory.
+
+    Attributes:
+        offsets: per candidate, its offset in the arena or ``None``.
+        need: the bytes of the arena this graph uses (the top of its highest value).
+        arena: the arena's bytes once planned, in the pool's granularity (what is reserved
+            while the step runs, whether this graph or another made it so big).
+        beside_peak: the most bytes of fresh results live at once during a call.
+    """
+
+    offsets: list[int | None]
+    need: int
+    arena: int
+    beside_peak: int
+
+    @property
+    def peak(self) -> int:
+        """The arena plus the most bytes ever live beside it: the step's planned peak."""
+        return self.arena + self.beside_peak
+
+
+def place(
+    candidates: Sequence[Lifetime],
+    fresh: Sequence[Lifetime],
+    capacity: int,
+    *,
+    horizon: int,
+    granularity: int = 16,
+    align: int = 64,
+    must: frozenset[int] = frozenset(),
+    ceiling: int | None = None,
+) -> Placed:
+    """Choose the arena offset of each candidate, or none, for the lowest peak.
+
+    Args:
+        candidates: intermediates that may be pooled (each a whole value, in-place pairs
+            already joined).
+        fresh: results that always allocate (ops without a native ``out=`` form, and what
+            the call returns), which count beside the arena.
+        capacity: the arena's bytes before this plan (other graphs' plans made it); ``0``
+            for the first graph, which establishes the arena and so takes ties.
+        horizon: the number of nodes; every ``end`` is below it.
+        granularity: the arena's capacity is a whole multiple of this many bytes.
+        align: every offset is a multiple of this many bytes (any dtype views there).
+        must: candidates that go into the arena whatever they cost (outputs the caller asked
+            to get as pool views); they are placed first.
+        ceiling: the most bytes the arena may grow to (the pool's limit): values that would
+            take it further run beside it (``must`` ones excepted: their growth fails).
+
+    Example::
+
+        >>> from sharedmem._executor.placement import place
+        >>> from sharedmem._executor.plan import Lifetime
+        >>> # a long-lived activation, then two short-lived results that can reuse its bytes
+        >>> got = place([Lifetime(256, 0, 2), Lifetime(128, 3, 4), Lifetime(128, 3, 3)], [], 0,
+        ...             horizon=5)
+        >>> got.offsets, got.peak
+        ([0, 0, 128], 256)
+    """
+    # Values live at the step's busiest node first (the arena must hold them for the peak to
+    # fall), then by size, largest first.
+    busiest = _busiest([*fresh, *candidates], horizon)
+    order = sorted(
+        range(len(candidates)),
+        key=lambda i: (
+            i not in must,
+            not candidates[i].start <= busiest <= candidates[i].end,
+            -candidates[i].nbytes,
+            candidates[i].start,
+        ),
+    )
+    # Packing everything is best where the arena's bytes are all in use at the peak; where
+    # they are not, taking values one by one (and refusing those that raise the peak) is.
+    # The first graph on an arena takes the lower peak, ties going to the fuller arena; a
+    # later graph takes the lower peak, ties going to the smaller arena.
+    plans = [
+        _pack(
+            candidates, fresh, capacity, order, horizon, granularity, align, greedy, must, ceiling
+        )
+        for greedy in (False, True)
+    ]
+    # Pooling nothing is always a choice: with the arena's rounding to whole granules, a
+    # small step may need less that way.
+    if not must:
+        beside_all = timeline_peak([*fresh, *candidates], horizon) if horizon else 0
+        plans.append(Placed([None] * len(candidates), 0, capacity, beside_all))
+    if capacity:
+        # A plan made as if the arena were new may use the arena other graphs made better
+        # than one fitted around it: its offsets are as valid in a bigger arena.
+        for greedy in (False, True):
+            alone = _pack(
+                candidates, fresh, 0, order, horizon, granularity, align, greedy, must, ceiling
+            )
+            plans.append(dataclasses.replace(alone, arena=max(alone.arena, capacity)))
+        return min(plans, key=lambda p: (p.peak, p.arena))
+    return min(plans, key=lambda p: (p.peak, -p.need))
+
+
+def _pack(
+    candidates: Sequence[Lifetime],
+    fresh: Sequence[Lifetime],
+    capacity: int,
+    order: Sequence[int],
+    horizon: int,
+    granularity: int,
+    align: int,
+    greedy: bool,
+    must: frozenset[int],
+    ceiling: int | None,
+) -> Placed:
+    beside = np.zeros(horizon, dtype=np.int64)
+    for life in (*fresh, *candidates):
+        beside[life.start : life.end + 1] += life.nbytes
+    arena = capacity
+    establish = capacity == 0
+    margin = int(_MARGIN * (arena + int(beside.max()) if horizon else 0))
+    offsets: list[int | None] = [None] * len(candidates)
+    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, bytes) of each taken
+    pending = list(order)
+    while pending:
+        refused: list[int] = []
+        for i in pending:
+            life = candidates[i]
+            size = _rounded(life.nbytes, align)
+            offset = _lowest_offset(placed, life, size)
+            grown = max(arena, offset + size)
+            if ceiling is not None and _rounded(grown, granularity) > ceiling and i not in must:
+                refused.append(i)
+                continue
+            if greedy and grown > arena and i not in must:
+                # More arena is reserved at every node: take it only where the peak holds.
+                # (Judged in bytes: the granularity's rounding costs less than one granule
+                # in all, where judging each value by it would refuse every first one.)
+                peak = arena + int(beside.max())
+                outside = max(_max(beside[: life.start]), _max(beside[life.end + 1 :]))
+                inside = int(beside[life.start : life.end + 1].max()) - life.nbytes
+                # Where the value is not live the arena's new bytes sit beside the rest: keep
+                # a margin there, since kernels' scratch is only modelled.
+                if grown + outside > peak - margin or grown + inside > peak:
+                    refused.append(i)
+                    continue
+                if grown + max(outside, inside) == peak and not establish:
+                    refused.append(i)
+                    continue
+            arena = grown
+            beside[life.start : life.end + 1] -= life.nbytes
+            placed.append((life.start, life.end, offset, size))
+            offsets[i] = offset
+        if len(refused) == len(pending):
+            break
+        pending = refused
+    need = max((offset + size for _, _, offset, size in placed), default=0)
+    reserved = _rounded(arena, granularity) if arena else 0
+    return Placed(offsets, need, reserved, int(beside.max()) if horizon else 0)
+
+
+def _lowest_offset(placed: Sequence[tuple[int, int, int, int]], life: Lifetime, size: int) -> int:
+    # First fit: the lowest gap, among values live at some node of ``life``, that holds it.
+    busy = sorted(
+        (offset, offset + nbytes)
+        for start, end, offset, nbytes in placed
+        if start <= life.end and life.start <= end
+    )
+    offset = 0
+    for low, high in busy:
+        if low - offset >= size:
+            break
+        offset = max(offset, high)
+    return offset
+
+
+def timeline_peak(values: Sequence[Lifetime], horizon: int) -> int:
+    """The most bytes of ``values`` live at one node (each live from ``start`` to ``end``)."""
+    return int(_timeline(values, horizon).max())
+
+
+def _busiest(values: Sequence[Lifetime], horizon: int) -> int:
+    return int(_timeline(values, horizon).argmax())
+
+
+def _timeline(values: Sequence[Lifetime], horizon: int) -> np.ndarray:
+    live = np.zeros(horizon + 1, dtype=np.int64)
+    for life in values:
+        live[life.start : life.end + 1] += life.nbytes
+    return live
+
+
+def _rounded(nbytes: int, align: int) -> int:
+    return -(-nbytes // align) * align
+
+
+def _max(values: np.ndarray) -> int:
+    return int(values.max()) if values.size else 0
