@@ -76,9 +76,7 @@ def test_the_ceiling_caps_the_arena_and_required_values_are_always_placed(
 
 
 def test_a_long_lived_value_and_two_later_ones_share_the_arena() -> None:
-    got = place(
-        [Lifetime(256, 0, 2), Lifetime(128, 3, 4), Lifetime(128, 3, 3)], [], 0, horizon=5
-    )
+    got = place([Lifetime(256, 0, 2), Lifetime(128, 3, 4), Lifetime(128, 3, 3)], [], 0, horizon=5)
     assert got.offsets == [0, 0, 128] and got.peak == 256
 
 
