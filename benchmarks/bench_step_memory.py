@@ -4,8 +4,9 @@ The measure of DESIGN §8: the peak of the running sum of the allocator's events
 (``torch.profiler`` with ``profile_memory=True``, its memory timeline in order), relative to what
 was live at the step's start, plus, for the pooled step, the pool's ``reserved_bytes``. Each
 model is measured with gradients set to ``None`` first, and again with gradients already there
-(gradient accumulation). Models: a ResNet-style CNN (basic blocks with batch norm), a depthwise
-MobileNet-style CNN, an MLP and a small transformer encoder, all at small sizes (CPU, float32).
+(gradient accumulation). Models (``step_models``): a ResNet-style CNN, a depthwise
+MobileNet-style CNN, an MLP, a small transformer encoder, and GPT-2, BERT and Llama from
+``transformers`` where it is installed, all at small sizes (CPU, float32).
 ``torch.compile`` is left out: compiling these on 2 CPU cores takes minutes per model.
 
 Targets (DESIGN §7): pooled peak <= 1.0x eager on every model, median <= 0.85x, <= 1.0x with
@@ -27,97 +28,19 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Progress, Row, interleaved, row, script_main
+from step_models import CASES, Case
 
 import sharedmem as sm
 from sharedmem.testing import allocator_peak
 
-Case = tuple[str, Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, torch.Tensor]]]
-
-
-class Block(nn.Module):
-    """A ResNet basic block."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.skip: nn.Module = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.skip = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(out)) + self.skip(x))
-
-
-def resnet() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
-        Block(32, 32, 1), Block(32, 64, 2), Block(64, 128, 2),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
-    )  # fmt: skip
-
-
-def mobilenet() -> nn.Module:
-    def separable(cin: int, cout: int, stride: int) -> list[nn.Module]:
-        return [
-            nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False), nn.BatchNorm2d(cin),
-            nn.ReLU6(), nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU6(),
-        ]  # fmt: skip
-
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6(),
-        *separable(32, 64, 1), *separable(64, 128, 2), *separable(128, 128, 1),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
-    )  # fmt: skip
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
-    )
-
-
-class Encoder(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(1000, 128)
-        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(128, 10)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(tokens)).mean(1))
-
-
-def _images(size: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-    return lambda b: (torch.randn(b, 3, size, size), torch.randint(0, 10, (b,)))
-
-
-CASES: list[Case] = [
-    ("resnet", resnet, _images(32)),
-    ("mobilenet", mobilenet, _images(64)),
-    ("mlp", mlp, lambda b: (torch.randn(b, 784), torch.randint(0, 10, (b,)))),
-    (
-        "transformer",
-        Encoder,
-        lambda b: (torch.randint(0, 1000, (b, 64)), torch.randint(0, 10, (b,))),
-    ),
-]
-
 
 def _figures(case: Case, batch: int, device: str, rounds: int) -> dict[str, float]:
-    _, make, data = case
+    _, make, data, loss_fn = case
     torch.manual_seed(0)
     eager = make()
     pooled = make()
     pooled.load_state_dict(eager.state_dict())
     x, y = data(batch)
-    loss_fn = nn.functional.cross_entropy
     pool = sm.BufferPool(device)
     step = sm.pooled_train_step(pooled, loss_fn, pool=pool)
 

@@ -10,6 +10,8 @@ signature traces, plans and generates code; later calls only look the signature 
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -28,9 +30,14 @@ from .distributed import grad_taps, unwrap
 from .graph import BATCH_NORMS, Analysis, analyse, op_name
 from .placement import place, timeline_peak
 from .plan import PLANS, Lifetime, PlanSummary, assign_slots, merge
+from .recompute import recompute
 from .trace import Leaves, Traced
 
 __all__ = ["Compiled", "Executor", "describe"]
+
+# The arena prefixes each pool has had a graph planned for (and run), however empty the
+# arena that plan left: later graphs are not the first.
+_PLANNED: weakref.WeakKeyDictionary[BufferPool, set[str]] = weakref.WeakKeyDictionary()
 
 
 class MemoryPlan(NamedTuple):
@@ -193,12 +200,14 @@ class Executor:
             accumulated: how many placeholders right before the data are gradients the graph
                 adds into (``accumulate``): written in place, but not put back on failure.
         """
+        traced, recomputed = self._recompute(traced)
         gm = traced.gm
         analysis = analyse(gm, self.device)
         plan = self._plan(analysis, traced, outputs_in_pool)
         for name, nbytes in plan.slot_bytes.items():
             # Grow now, once: views fetched during a call then never see a growth.
             self.pool.tensor(name, (nbytes,), torch.uint8)
+        self._mark_planned()
         placeholders = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
         # Inputs (and targets) may be views into these very slots: the runner copies those.
         guarded = range(placeholders - n_data, placeholders)
@@ -221,7 +230,7 @@ class Executor:
         return Compiled(
             runner,
             source,
-            self._summary(gm, analysis, plan, label),
+            self._summary(gm, analysis, plan, label, recomputed),
             analysis.owned,
             plan.unpooled_bytes,
             traced.stored,
@@ -237,6 +246,7 @@ class Executor:
     def _memory_plan(self, traced: Traced, *, outputs_in_pool: bool) -> MemoryPlan:
         """What running ``traced`` would ask of the pool and beside it, without running it or
         growing anything (the planning layer's estimate stands on this)."""
+        traced, _ = self._recompute(traced)
         analysis = analyse(traced.gm, self.device)
         plan = self._plan(analysis, traced, outputs_in_pool)
         return MemoryPlan(
@@ -246,6 +256,14 @@ class Executor:
             returned_bytes=returned_bytes(traced.gm),
             beside_peak=plan.beside_peak,
         )
+
+    def _recompute(self, traced: Traced) -> tuple[Traced, int]:
+        """``traced`` with its cheap long-idle values computed again where read late (see
+        ``recompute``), and how many; the per-node baseline keeps the graph as traced."""
+        if self.plan != "liveness":
+            return traced, 0
+        gm, count = recompute(traced.gm)
+        return (dataclasses.replace(traced, gm=gm), count) if count else (traced, 0)
 
     def _plan(self, analysis: Analysis, traced: Traced, outputs_in_pool: bool) -> SlotPlan:
         # Results the caller keeps get fresh memory on each call; everything else is planned.
@@ -286,6 +304,7 @@ class Executor:
                 granularity=granularity,
                 must=must,
                 ceiling=self._arena_ceiling(capacity),
+                establish=self.prefix not in _PLANNED.get(self.pool, ()),
             )
             offsets = placed.offsets
             names: list[str | None] = [arena if o is not None else None for o in offsets]
@@ -333,7 +352,12 @@ class Executor:
         )
 
     def _summary(
-        self, gm: torch.fx.GraphModule, analysis: Analysis, plan: SlotPlan, label: str
+        self,
+        gm: torch.fx.GraphModule,
+        analysis: Analysis,
+        plan: SlotPlan,
+        label: str,
+        recomputed: int,
     ) -> PlanSummary:
         alone = plan.alone
         pooled = [life for i, life in enumerate(plan.slots) if life is not None]
@@ -350,7 +374,12 @@ class Executor:
             ),
             unpooled_bytes=plan.unpooled_bytes,
             unpooled_ops=plan.unpooled_ops,
+            recomputed=recomputed,
         )
+
+    def _mark_planned(self) -> None:
+        # Graphs planned after this one on the pool grow its arena only to lower their peak.
+        _PLANNED.setdefault(self.pool, set()).add(self.prefix)
 
     def _arena_ceiling(self, capacity: int) -> int | None:
         """The most the arena may grow to under the pool's limit (``None``: no limit): what

@@ -74,6 +74,7 @@ def place(
     align: int = 64,
     must: frozenset[int] = frozenset(),
     ceiling: int | None = None,
+    establish: bool | None = None,
 ) -> Placed:
     """Choose the arena offset of each candidate, or none, for the lowest peak.
 
@@ -91,6 +92,9 @@ def place(
             to get as pool views); they are placed first.
         ceiling: the most bytes the arena may grow to (the pool's limit): values that would
             take it further run beside it (``must`` ones excepted: their growth fails).
+        establish: whether this is the first graph planned on the arena (default: when
+            ``capacity`` is 0), which takes ties; a later one grows the arena only to lower
+            its own peak, even where the first left it empty.
 
     Example::
 
@@ -118,24 +122,23 @@ def place(
     # they are not, taking values one by one (and refusing those that raise the peak) is.
     # The first graph on an arena takes the lower peak, ties going to the fuller arena; a
     # later graph takes the lower peak, ties going to the smaller arena.
+    first = capacity == 0 if establish is None else establish
     plans = [
-        _pack(
-            candidates, fresh, capacity, order, horizon, granularity, align, greedy, must, ceiling
-        )
+        _pack(candidates, fresh, capacity, order, horizon, (granularity, align), greedy, must,
+              ceiling, first)
         for greedy in (False, True)
-    ]
+    ]  # fmt: skip
     # Pooling nothing is always a choice: with the arena's rounding to whole granules, a
     # small step may need less that way.
     if not must:
         beside_all = timeline_peak([*fresh, *candidates], horizon) if horizon else 0
         plans.append(Placed([None] * len(candidates), 0, capacity, beside_all))
-    if capacity:
+    if not first:
         # A plan made as if the arena were new may use the arena other graphs made better
         # than one fitted around it: its offsets are as valid in a bigger arena.
         for greedy in (False, True):
-            alone = _pack(
-                candidates, fresh, 0, order, horizon, granularity, align, greedy, must, ceiling
-            )
+            alone = _pack(candidates, fresh, 0, order, horizon, (granularity, align), greedy,
+                          must, ceiling, False)  # fmt: skip
             plans.append(dataclasses.replace(alone, arena=max(alone.arena, capacity)))
         return min(plans, key=lambda p: (p.peak, p.arena))
     return min(plans, key=lambda p: (p.peak, -p.need))
@@ -147,17 +150,17 @@ def _pack(
     capacity: int,
     order: Sequence[int],
     horizon: int,
-    granularity: int,
-    align: int,
+    rounding: tuple[int, int],
     greedy: bool,
     must: frozenset[int],
     ceiling: int | None,
+    establish: bool,
 ) -> Placed:
+    granularity, align = rounding
     beside = np.zeros(horizon, dtype=np.int64)
     for life in (*fresh, *candidates):
         beside[life.start : life.end + 1] += life.nbytes
     arena = capacity
-    establish = capacity == 0
     margin = int(_MARGIN * (arena + int(beside.max()) if horizon else 0))
     offsets: list[int | None] = [None] * len(candidates)
     placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, bytes) of each taken

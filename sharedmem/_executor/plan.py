@@ -174,6 +174,8 @@ class PlanSummary:
         unpooled_bytes: bytes each call allocates outside the pool (ops with no native
             ``out=`` form); these are counted in the pool's ``unpooled_bytes_total``.
         unpooled_ops: those ops, by name.
+        recomputed: values computed again where backward reads them instead of kept from
+            the forward (``recompute``).
     """
 
     plan: str
@@ -186,6 +188,7 @@ class PlanSummary:
     added_bytes: int
     unpooled_bytes: int
     unpooled_ops: tuple[str, ...]
+    recomputed: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -206,4 +209,5 @@ class PlanSummary:
             f"saved {self.saved_bytes:,}, {self.saving:.0%}); added to the pool: "
             f"{self.added_bytes:,} bytes; "
             f"unpooled per call: {self.unpooled_bytes:,} bytes ({ops})"
+            + (f"; {self.recomputed} values recomputed in backward" if self.recomputed else "")
         )
