@@ -39,8 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step_memory import CASES
 from harness import Progress, Row, interleaved, row, script_main
+from step_models import CASES
 
 import sharedmem as sm
 
@@ -71,7 +71,7 @@ def allocator_peak(step: Callable[[], object]) -> int:
 
 
 def _measure(rank: int, name: str, quick: bool) -> dict[str, float]:
-    _, make, data = next(case for case in CASES if case[0] == name)
+    _, make, data, _ = next(case for case in CASES if case[0] == name)
     torch.manual_seed(0)
     model = make()
     eager = DDP(make())
