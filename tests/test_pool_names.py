@@ -324,3 +324,15 @@ def test_a_dropped_pool_frees_its_memory_without_waiting_for_the_collector() -> 
         assert memory() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("backend", ["reserved", "pageable"])
+def test_a_pool_says_its_granularity_and_whether_growth_keeps_addresses(backend: str) -> None:
+    pool = sm.BufferPool("cpu", backend=backend)
+    assert pool.stable_address == (backend == "reserved")
+    a = pool.tensor("a", (1,), torch.uint8)
+    capacity = pool.blob("a").data_memory.device_capacity
+    assert capacity % pool.granularity == 0 and capacity >= 1
+    address = a.data_ptr()
+    pool.tensor("a", (10 * pool.granularity,), torch.uint8)
+    assert (pool.tensor("a", (1,), torch.uint8).data_ptr() == address) == pool.stable_address
