@@ -1,9 +1,10 @@
 """Train an ordinary PyTorch CNN with its activations in a pool, and evaluate on the same bytes.
 
 The model, the loss and the optimizer are plain PyTorch. ``sm.pooled_train_step`` traces the
-model's forward and backward into one ATen graph and runs it with every intermediate in a
-named pool buffer; ``sm.pooled_forward`` does the same for evaluation, fitting into the
-buffers training left, so evaluating adds (almost) nothing to the pool. The last batch of
+model's forward and backward into one ATen graph and runs it with its intermediates planned
+into the pool's arena (where that does not raise the step's peak); ``sm.pooled_forward`` does
+the same for evaluation, fitting into the arena training left, so evaluating adds (almost)
+nothing to the pool. The last batch of
 each epoch is smaller, as in a real data loader: a second signature, traced once, on the same
 buffers. After the first steps the pool stops growing.
 

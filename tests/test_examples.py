@@ -24,6 +24,7 @@ def load(name: str) -> ModuleType:
 
 def test_every_example_has_a_test() -> None:
     tested = {
+        "accumulate_in_less_memory",
         "host_staging",
         "pooled_training",
         "train_eval_shared",
@@ -97,3 +98,15 @@ def test_where_memory_goes_explains_each_phase_and_agrees_with_the_estimate(
     names = [p.name for p in result["phases"] if p.step == 0]
     assert names == ["other", "zero_grad", "forward", "loss", "backward", "step"]
     assert result["last_loss"] < result["first_loss"]
+
+
+def test_accumulating_micro_batches_needs_less_memory_than_eager_for_the_same_gradients(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    result = load("accumulate_in_less_memory").main(["--micro-batches", "3", "--batch", "8"])
+    assert result["same_gradients"] is True
+    for eager, pooled in result["peaks"]:  # type: ignore[attr-defined]
+        assert pooled < 0.95 * eager, (eager, pooled)
+    first, adding = result["summaries"]  # type: ignore[misc]
+    assert first.recomputed > 0 and "adding into existing gradients" in str(adding)
+    assert "bit for bit equal to eager's: True" in capsys.readouterr().out

@@ -128,6 +128,17 @@ def place(
               ceiling, first)
         for greedy in (False, True)
     ]  # fmt: skip
+    # Arenas of a fixed fraction of the full packing's, filled largest first with what fits:
+    # forward activations and backward temporaries share addresses where one at a time
+    # could not see that it would (taking values one by one refuses the first of them).
+    full = plans[0].arena
+    for eighth in range(1, 8):
+        cap = max(capacity, _rounded(full * eighth // 8, granularity))
+        limit = cap if ceiling is None else min(cap, ceiling)
+        plans.append(
+            _pack(candidates, fresh, capacity, order, horizon, (granularity, align), False,
+                  must, limit, first)
+        )  # fmt: skip
     # Pooling nothing is always a choice: with the arena's rounding to whole granules, a
     # small step may need less that way.
     if not must:
