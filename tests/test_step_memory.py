@@ -111,3 +111,21 @@ def test_a_frozen_parameter_with_a_stale_gradient_keeps_it() -> None:
     step(torch.randn(4, 64), torch.randint(0, 10, (4,)))
     step(torch.randn(4, 64), torch.randint(0, 10, (4,)))
     assert torch.equal(frozen.grad, torch.ones_like(frozen))  # as eager: untouched
+
+
+def test_gradients_are_added_into_when_the_call_has_no_tensors() -> None:
+    class Bias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3))
+
+        def forward(self, x: tuple[()]) -> torch.Tensor:
+            return self.w * 2
+
+    model = Bias()
+    eager = copy.deepcopy(model)
+    step = sm.pooled_train_step(model, lambda out, y: out.sum(), pool=sm.BufferPool("cpu"))
+    for _ in range(3):  # the second and third add into existing gradients
+        step((), None)
+        eager(()).sum().backward()
+    assert torch.equal(model.w.grad, eager.w.grad)

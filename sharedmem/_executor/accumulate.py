@@ -50,9 +50,9 @@ def accumulating(
     )
     taps = {copies[node]: pairs for node, pairs in grad_taps(gm.graph, 1, len(grads)).items()}
     inputs: dict[int, Node] = {}
-    with graph.inserting_before(
-        placeholders[first_data] if first_data < len(placeholders) else None
-    ):
+    # Before the first data placeholder (or, with no data tensors, after the last one).
+    anchor = placeholders[first_data] if first_data < len(placeholders) else placeholders[-1].next
+    with graph.inserting_before(anchor):
         for k, grad in enumerate(grads):
             if grad is None:
                 continue
