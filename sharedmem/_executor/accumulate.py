@@ -21,6 +21,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from .distributed import grad_taps
+from .graph import fake_mode, fresh_fake
 
 __all__ = ["accumulating"]
 
@@ -43,11 +44,7 @@ def accumulating(
     copied = graph.graph_copy(gm.graph, copies)  # the output's value; no output node yet
     outputs = list(copied) if isinstance(copied, (list, tuple)) else [copied]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    fake_mode = next(
-        n.meta["val"].fake_mode
-        for n in placeholders
-        if isinstance(n.meta.get("val"), torch.Tensor) and hasattr(n.meta["val"], "fake_mode")
-    )
+    mode = fake_mode(graph)
     taps = {copies[node]: pairs for node, pairs in grad_taps(gm.graph, 1, len(grads)).items()}
     inputs: dict[int, Node] = {}
     # Before the first data placeholder (or, with no data tensors, after the last one).
@@ -57,10 +54,7 @@ def accumulating(
             if grad is None:
                 continue
             node = graph.placeholder(f"grad_{k}")
-            with fake_mode:
-                node.meta["val"] = torch.empty_strided(
-                    grad.shape, grad.stride(), dtype=grad.dtype, device=grad.device
-                )
+            node.meta["val"] = fresh_fake(grad, mode)
             inputs[k] = node
     for final, pairs in taps.items():
         for k, at in pairs:

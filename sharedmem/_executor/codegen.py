@@ -146,6 +146,7 @@ def generate(
             graph value) through the op's ``out=`` form, as its in-place form would.
     """
     em = _Emitter(slot_bytes)
+    where = offsets or [0] * len(slots)
     nodes = list(gm.graph.nodes)
     by_node = {step.node: step for step in steps}
     position = {n: i for i, n in enumerate(nodes)}
@@ -167,7 +168,6 @@ def generate(
             body.append(f"return {em.arg(graph_outputs(node))}")
             break
         step = by_node[node]
-        where = offsets or [0] * len(slots)
         body.append(f"{name} = {_expression(em, step, slots, where, device, eager, over or {})}")
         if taps and node in taps:
             em.globals["_ready"] = on_ready

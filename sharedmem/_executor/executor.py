@@ -360,12 +360,11 @@ class Executor:
         recomputed: int,
     ) -> PlanSummary:
         alone = plan.alone
-        pooled = [life for i, life in enumerate(plan.slots) if life is not None]
         return PlanSummary(
             plan=self.plan,
             signature=label,
             nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
-            pooled_values=len(pooled),
+            pooled_values=sum(slot is not None for slot in plan.slots),
             slots=len(alone),
             pooled_bytes=sum(alone.values()),
             per_node_bytes=sum(life.nbytes for life in plan.lifetimes),

@@ -17,10 +17,11 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._ops import OpOverload
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._errors import SharedMemError
@@ -30,7 +31,17 @@ from .plan import Lifetime
 
 aten = torch.ops.aten
 
-__all__ = ["BATCH_NORMS", "Analysis", "Buffer", "NodeRun", "analyse", "graph_outputs", "op_name"]
+__all__ = [
+    "BATCH_NORMS",
+    "Analysis",
+    "Buffer",
+    "NodeRun",
+    "analyse",
+    "fake_mode",
+    "fresh_fake",
+    "graph_outputs",
+    "op_name",
+]
 
 _PLAIN = OpRule(Kind.PLAIN)
 _ALIAS = OpRule(Kind.ALIAS)
@@ -292,6 +303,24 @@ def where(node: Node) -> str:
         return ""
     filename, line, function, code = frames[-1]
     return f"; at {filename}:{line}, in {function}: {code.strip()}"
+
+
+def fake_mode(graph: Graph) -> Any | None:
+    """The fake-tensor mode of a traced graph's values (``None`` for a graph without any)."""
+    for n in graph.nodes:
+        mode = getattr(n.meta.get("val"), "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def fresh_fake(like: object, mode: Any) -> object:
+    """A fake tensor with ``like``'s layout on a storage of its own (``like`` itself when it
+    is not a tensor): the value of a node a graph transform adds."""
+    if not isinstance(like, torch.Tensor):
+        return like
+    with mode:
+        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
 
 
 def graph_outputs(output: Node) -> list[object]:

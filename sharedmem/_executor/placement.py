@@ -1,26 +1,27 @@
-"""Which intermediates of a graph go into pool buffers, chosen for the step's peak memory.
+"""Which intermediates of a graph go into the pool's arena, and where, for the step's peak.
 
-A pool buffer ("slot") is reserved for the whole step and kept after it, while a result that
-an op allocates itself lives only from its op to its last read. Pooling every intermediate
-would therefore cost more than eager wherever ops without a native ``out=`` kernel
-(convolution and its backward, layer norm, attention) allocate beside the pool: the peak
-would be the slots' bytes plus the most bytes ever live beside them, where eager's is the
-most bytes live at once. So every byte of the step is put on one timeline: at node ``t`` the
-step holds ``A + U(t)``, the slots' bytes ``A`` and the bytes ``U(t)`` of fresh results live
-then, and an intermediate is pooled only where that does not raise ``max_t A + U(t)``.
+The arena (one pool buffer) is reserved for the whole step and kept after it, while a result
+that an op allocates itself lives only from its op to its last read. Pooling every
+intermediate would therefore cost more than eager wherever ops without a native ``out=``
+kernel (convolution and its backward, layer norm, attention) allocate beside the pool: the
+peak would be the arena plus the most bytes ever live beside it, where eager's is the most
+bytes live at once. So every byte of the step is put on one timeline: at node ``t`` the step
+holds ``A + U(t)``, the arena's bytes ``A`` and the bytes ``U(t)`` of fresh results live then,
+and an intermediate is pooled only where that does not raise ``max_t A + U(t)``.
 
-Intermediates are taken largest first. One that fits a slot free for its whole lifetime goes
-there (that only lowers ``U``). Otherwise it may grow a free slot or make a new one, which
-adds to ``A`` at every node, and it is taken only where the step's peak does not rise: the
-first graph on a pool (which establishes it) takes ties, since a pooled result costs no
-allocation on any later call; a graph planned onto slots other graphs made takes a new byte
-only where it lowers the peak, so that, say, an evaluation after training adds nothing.
-What is left runs as eager runs it, allocating. Passes repeat while any is taken: a result
-refused early may fit a slot made after it was looked at.
+A pooled intermediate gets a byte offset: the lowest one where no value live at the same time
+sits (first fit, largest values first, those live at the busiest node before the rest).
+Several packings are compared and the lowest peak wins: everything; one value at a time,
+refusing any growth of the arena that raises the peak (passes repeat, since a value refused
+early may fit beside values taken after it); arenas capped at fractions of the full packing's;
+and nothing at all. The first graph on an arena takes ties (a pooled result costs no
+allocation on later calls); a graph planned on an arena other graphs made grows it only where
+that lowers its own peak, so that, say, an evaluation after training adds nothing. What is
+not pooled runs as eager runs it, allocating.
 
-Starting from nothing pooled, the peak never rises, so a planned step needs at most what the
-same graph needs on the allocator alone: eager's schedule, freed at each value's last read,
-with pointwise results written over dying operands.
+Since pooling nothing is one of the choices, a planned step needs at most what the same graph
+needs on the allocator alone: eager's schedule, freed at each value's last read, with
+pointwise results written over dying operands.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import Argument
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .graph import fake_mode, fresh_fake
+
 __all__ = ["recompute"]
 
 aten = torch.ops.aten
@@ -52,7 +54,7 @@ def recompute(gm: GraphModule) -> tuple[GraphModule, int]:
     copies: dict[Node, Node] = {}
     out = graph.graph_copy(gm.graph, copies)
     graph.output(out)
-    fakes = _fake_mode(graph)
+    fakes = fake_mode(graph)
     if fakes is None or not _static(graph):
         return gm, 0  # (a data-dependent shape is refused, with its source line, by analyse)
     count = 0
@@ -317,7 +319,7 @@ def _emit(graph: Graph, value: Node, made: dict[Node, Node], fakes: object) -> N
         else:
             args = tuple(arg(a) for a in producer.args)
         again = graph.call_function(_op(producer), args, dict(producer.kwargs))
-        again.meta["val"] = tuple(_fresh(v, fakes) for v in producer.meta["val"])
+        again.meta["val"] = tuple(fresh_fake(v, fakes) for v in producer.meta["val"])
         again.meta["stack_trace"] = producer.meta.get("stack_trace")
         out = graph.call_function(operator.getitem, (again, 0))
         out.meta["val"] = again.meta["val"][0]
@@ -325,17 +327,9 @@ def _emit(graph: Graph, value: Node, made: dict[Node, Node], fakes: object) -> N
         args = tuple(arg(a) for a in value.args)
         kwargs = {k: arg(v) for k, v in value.kwargs.items()}
         out = graph.call_function(_op(value), args, kwargs)
-        out.meta["val"] = _fresh(value.meta["val"], fakes)
+        out.meta["val"] = fresh_fake(value.meta["val"], fakes)
     out.meta["stack_trace"] = value.meta.get("stack_trace")
     return out
-
-
-def _fresh(val: object, fakes: object) -> object:
-    """A fake tensor like ``val`` on a storage of its own."""
-    if not isinstance(val, torch.Tensor):
-        return val
-    with fakes:  # type: ignore[attr-defined]
-        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
 
 
 def _static(graph: Graph) -> bool:
@@ -345,11 +339,3 @@ def _static(graph: Graph) -> bool:
             if isinstance(t, torch.Tensor) and not all(type(d) is int for d in t.shape):
                 return False
     return True
-
-
-def _fake_mode(graph: Graph) -> object | None:
-    for n in graph.nodes:
-        mode: object | None = getattr(n.meta.get("val"), "fake_mode", None)
-        if mode is not None:
-            return mode
-    return None

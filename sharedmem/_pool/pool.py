@@ -165,14 +165,17 @@ class BufferPool:
     def granularity(self) -> int:
         """Device-side capacities are whole multiples of this many bytes (4096 on the CPU's
         default backend, the VMM granule on ``cuda``): what a planner rounds buffers to."""
-        backend = self._accel if self._accel is not None else self._host
-        return int(backend.granularity)
+        return int(self._device_side.granularity)
 
     @property
     def stable_address(self) -> bool:
         """Whether device-side growth keeps a buffer's address (no copy, old views valid)."""
-        backend = self._accel if self._accel is not None else self._host
-        return bool(backend.stable_address)
+        return bool(self._device_side.stable_address)
+
+    @property
+    def _device_side(self) -> AccountedBackend:
+        # The device's own backend, or the host's on a device with one side (cpu).
+        return self._accel if self._accel is not None else self._host
 
     def names(self) -> list[str]:
         """The buffer names, in the order they were first asked for."""
@@ -402,7 +405,7 @@ class BufferPool:
         Args:
             sizes: bytes per buffer name; names the pool does not have yet are new buffers.
         """
-        side = self._accel if self._accel is not None else self._host
+        side = self._device_side
         added = held = 0
         for name, nbytes in sizes.items():
             blob = self._blobs.get(name)
