@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -23,6 +24,7 @@ from torch.fx import Node
 
 from .._backends import round_up
 from .._pool import BufferPool
+from .._routing import Route, native
 from .._validate import check_name
 from .binding import Binding, Place, State
 from .codegen import Runner, generate
@@ -89,6 +91,9 @@ class Compiled:
     # Inputs the graph changes in place (running statistics, num_batches_tracked): saved
     # before each call and put back if it fails, so a failed call leaves the model as it was.
     mutated: tuple[int, ...] = ()
+    # Where every allocation of a call is served from the arena (the routing allocator);
+    # ``None``: the slot plan alone (out= kernels into pool views, the rest beside the pool).
+    route: Route | None = None
 
 
 class Mode(NamedTuple):
@@ -129,6 +134,7 @@ class Executor:
         self._traced: dict[tuple[object, ...], Traced] = {}
         self._last: Compiled | None = None
         self._binding: Binding | None = None
+        self._trains = False  # a train step (its arena grows for it), not a forward
 
     def _state(self) -> tuple[Binding, State]:
         binding = self._binding
@@ -152,11 +158,27 @@ class Executor:
         """What the graph of the latest call asks of the pool, and what its plan saves."""
         if self._last is None:
             raise ValueError("sharedmem: plan_summary() needs a first call to trace a graph")
-        return self._last.summary
+        return routed_summary(self._last)
 
     def plan_summaries(self) -> list[PlanSummary]:
         """The plan of every signature traced so far, in the order they were first seen."""
-        return [c.summary for c in self._cache.values()]
+        return [routed_summary(c) for c in self._cache.values()]
+
+    def _recorded(self, key: tuple[object, ...], returned: int) -> MemoryPlan | None:
+        """The memory of signature ``key`` as its recorded call measured it (exact), where
+        the router recorded one."""
+        compiled = self._cache.get(key)
+        route = None if compiled is None else compiled.route
+        if route is None or route.plan is None:
+            return None
+        plan = route.plan
+        return MemoryPlan(
+            pooled_bytes=round_up(plan.need, 16),
+            unpooled_bytes=plan.beside_bytes,
+            slot_bytes={f"{self.prefix}0": round_up(plan.need, 16)} if plan.need else {},
+            returned_bytes=returned,
+            beside_peak=plan.beside_peak,
+        )
 
     def source(self) -> str:
         """The generated Python code of the latest call's graph (for reading and debugging)."""
@@ -203,7 +225,8 @@ class Executor:
         traced, recomputed = self._recompute(traced)
         gm = traced.gm
         analysis = analyse(gm, self.device)
-        plan = self._plan(analysis, traced, outputs_in_pool)
+        routed = self._routed(outputs_in_pool)
+        plan = self._plan(analysis, traced, outputs_in_pool, routed=routed)
         for name, nbytes in plan.slot_bytes.items():
             # Grow now, once: views fetched during a call then never see a growth.
             self.pool.tensor(name, (nbytes,), torch.uint8)
@@ -232,7 +255,7 @@ class Executor:
             source,
             self._summary(gm, analysis, plan, label, recomputed),
             analysis.owned,
-            plan.unpooled_bytes,
+            0 if routed else plan.unpooled_bytes,
             traced.stored,
             autocast,
             traced.spec,
@@ -241,6 +264,21 @@ class Executor:
                 for i in mutated_inputs(gm)
                 if not placeholders - n_data - accumulated <= i < placeholders - n_data
             ),
+            Route(self.pool, f"{self.prefix}0", training=grad_ready is not None or self._trains)
+            if routed
+            else None,
+        )
+
+    def _routed(self, outputs_in_pool: bool) -> bool:
+        """Whether a call's allocations are served by the routing allocator: on a CPU (or
+        emulated) pool with the liveness plan, where the router could be built, unless the
+        outputs are asked for as pool views (they outlive the call, so only the slot plan
+        can place them)."""
+        return (
+            self.plan == "liveness"
+            and not outputs_in_pool
+            and self._device_type == "cpu"
+            and native() is not None
         )
 
     def _memory_plan(self, traced: Traced, *, outputs_in_pool: bool) -> MemoryPlan:
@@ -248,7 +286,7 @@ class Executor:
         growing anything (the planning layer's estimate stands on this)."""
         traced, _ = self._recompute(traced)
         analysis = analyse(traced.gm, self.device)
-        plan = self._plan(analysis, traced, outputs_in_pool)
+        plan = self._plan(analysis, traced, outputs_in_pool, routed=self._routed(outputs_in_pool))
         return MemoryPlan(
             pooled_bytes=sum(round_up(n, 16) for n in plan.alone.values()),
             unpooled_bytes=plan.unpooled_bytes,
@@ -265,7 +303,9 @@ class Executor:
         gm, count = recompute(traced.gm)
         return (dataclasses.replace(traced, gm=gm), count) if count else (traced, 0)
 
-    def _plan(self, analysis: Analysis, traced: Traced, outputs_in_pool: bool) -> SlotPlan:
+    def _plan(
+        self, analysis: Analysis, traced: Traced, outputs_in_pool: bool, *, routed: bool = False
+    ) -> SlotPlan:
         # Results the caller keeps get fresh memory on each call; everything else is planned.
         # Tensors written back to the module are kept by it: never pool views.
         n_outputs = len(analysis.owned)
@@ -290,7 +330,24 @@ class Executor:
         fresh = [*(analysis.lifetimes[i] for i in kept), *analysis.beside, *analysis.scratch]
         horizon = len(traced.gm.graph.nodes)
         offsets: list[int | None] = [0] * len(joined)
-        if share:
+        if routed:
+            # Every op allocates as eager does and the router serves it from the arena; what
+            # the arena will need is known exactly once a call is recorded. Before that (an
+            # estimate), every intermediate, result of an op without out= and kernel scratch
+            # packed into one arena models it, with only what the call returns beside.
+            granularity = max(16, self.pool.granularity)
+            inner = [*joined, *analysis.beside, *analysis.scratch]
+            kept_lives = [analysis.lifetimes[i] for i in kept]
+            packed = place(
+                inner, kept_lives, 0, horizon=horizon, granularity=granularity,
+                must=frozenset(range(len(inner))),
+            )  # fmt: skip
+            offsets = [None] * len(joined)
+            names: list[str | None] = [None] * len(joined)
+            need: dict[str, int] = {}
+            alone = {f"{self.prefix}0": packed.need} if packed.need else {}
+            fresh = kept_lives
+        elif share:
             # One arena, planned in the pool's own granularity (what it will really hold).
             arena = f"{self.prefix}0"
             granularity = max(16, self.pool.granularity)
@@ -307,7 +364,7 @@ class Executor:
                 establish=self.prefix not in _PLANNED.get(self.pool, ()),
             )
             offsets = placed.offsets
-            names: list[str | None] = [arena if o is not None else None for o in offsets]
+            names = [arena if o is not None else None for o in offsets]
             need = {arena: placed.need} if placed.need else {}
             if capacity:
                 again = place(joined, fresh, 0, horizon=horizon, granularity=granularity, must=must)
@@ -327,12 +384,12 @@ class Executor:
             if slots[i] is None:
                 eager.add(i)
         over = {a: node for _, _, a, node in found if a in eager}
-        left = [joined[j] for j, name in enumerate(names) if name is None]
+        left = [] if routed else [joined[j] for j, name in enumerate(names) if name is None]
         beside_peak = timeline_peak([*fresh, *left], horizon)
         ops = [
             op_name(step.node.target)
             for step in analysis.steps
-            if any(life in eager for life in step.lifetimes)
+            if not routed and any(life in eager for life in step.lifetimes)
         ]
         # Whole multiples of 16 bytes, so a slot's bytes view as any dtype.
         slot_bytes = {name: round_up(n, 16) for name, n in need.items()}
@@ -346,8 +403,8 @@ class Executor:
             frozenset(eager),
             over,
             beside_peak,
-            analysis.unpooled_bytes + sum(life.nbytes for life in left),
-            tuple(dict.fromkeys([*analysis.unpooled_ops, *ops])),
+            0 if routed else analysis.unpooled_bytes + sum(life.nbytes for life in left),
+            () if routed else tuple(dict.fromkeys([*analysis.unpooled_ops, *ops])),
             alone,
         )
 
@@ -407,8 +464,10 @@ class Executor:
         if compiled.autocast:  # the recorded ops are already cast: run them as they are
             torch.set_autocast_enabled(self._device_type, False)
         saved = [flat[i].clone() for i in compiled.mutated]
+        route = compiled.route
         try:
-            outputs = compiled.runner(self.pool.tensor, *flat)
+            with nullcontext() if route is None else route.scope():
+                outputs = compiled.runner(self.pool.tensor, *flat)
         except BaseException:
             for i, before in zip(compiled.mutated, saved, strict=True):
                 flat[i].copy_(before)
@@ -432,6 +491,26 @@ class Executor:
             else:
                 setattr(module, where.attr, value)  # as the forward's assignment did
         return outputs[:n]
+
+
+def routed_summary(compiled: Compiled) -> PlanSummary:
+    """``compiled``'s summary, with its recorded route (what the arena really serves) where
+    the router recorded a call."""
+    route = compiled.route
+    if route is None or route.plan is None:
+        return compiled.summary
+    plan = route.plan
+    return dataclasses.replace(
+        compiled.summary,
+        pooled_values=sum(offset >= 0 for offset in plan.offsets),
+        slots=1 if plan.need else 0,
+        pooled_bytes=plan.need,
+        per_node_bytes=plan.routed_bytes,
+        added_bytes=route.added_bytes,
+        unpooled_bytes=plan.beside_bytes,
+        unpooled_ops=(),
+        routed=route.describe(),
+    )
 
 
 def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:

@@ -176,6 +176,8 @@ class PlanSummary:
         unpooled_ops: those ops, by name.
         recomputed: values computed again where backward reads them instead of kept from
             the forward (``recompute``).
+        routed: where the routing allocator serves the call from the arena, its recorded
+            plan in words ("" without the router, or before the first call ran).
     """
 
     plan: str
@@ -189,6 +191,7 @@ class PlanSummary:
     unpooled_bytes: int
     unpooled_ops: tuple[str, ...]
     recomputed: int = 0
+    routed: str = ""
 
     @property
     def saved_bytes(self) -> int:
@@ -210,4 +213,5 @@ class PlanSummary:
             f"{self.added_bytes:,} bytes; "
             f"unpooled per call: {self.unpooled_bytes:,} bytes ({ops})"
             + (f"; {self.recomputed} values recomputed in backward" if self.recomputed else "")
+            + (f"; routed: {self.routed}" if self.routed else "")
         )

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from .._pool import BufferPool
 from .accumulate import accumulating
 from .distributed import GradientSync, after_forward, sync_buffers
-from .executor import Executor, MemoryPlan, describe
+from .executor import Executor, MemoryPlan, describe, returned_bytes
 from .trace import flatten, trace_forward, trace_train
 
 __all__ = ["PooledForward", "PooledTrainStep"]
@@ -36,6 +36,7 @@ class PooledTrainStep(Executor):
         prefix: object = "act.",
     ) -> None:
         super().__init__(model, pool, plan, prefix)
+        self._trains = True
         if not callable(loss_fn):
             raise TypeError(f"sharedmem: loss_fn must be callable, got {type(loss_fn).__name__}")
         self.loss_fn: Callable[[Any, Any], torch.Tensor] = loss_fn
@@ -112,7 +113,9 @@ class PooledTrainStep(Executor):
             self._check_devices(state, x, y)
             traced = trace_train(self.model, self.loss_fn, binding, state, x, y)
             self._traced[key] = traced
-        return self._memory_plan(traced, outputs_in_pool=False)
+        present = () if self._sync is not None else tuple(p.grad is not None for p in state.params)
+        recorded = self._recorded((*key, present), returned_bytes(traced.gm))
+        return recorded or self._memory_plan(traced, outputs_in_pool=False)
 
 
 class PooledForward(Executor):
@@ -174,4 +177,5 @@ class PooledForward(Executor):
             self._check_devices(state, x)
             traced = trace_forward(self.model, binding, state, x)
             self._traced[key] = traced
-        return self._memory_plan(traced, outputs_in_pool=self.outputs_in_pool)
+        recorded = self._recorded(key, returned_bytes(traced.gm))
+        return recorded or self._memory_plan(traced, outputs_in_pool=self.outputs_in_pool)

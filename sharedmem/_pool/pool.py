@@ -15,9 +15,11 @@ from .._backends import Backend, Placement, resolve
 from .._blob import Blob
 from .._devices import DeviceLike
 from .._errors import SharedMemError
+from .._routing import arena_live_bytes
 from .._synced import SyncedMemory
 from .._validate import ShapeLike, check_dtype, check_name, check_nbytes, check_shape
 from .adaptors import AccountedBackend, LimitedBackend
+from .blocks import StepBlocks
 from .figures import PoolFigures, unique_memories
 from .ledger import Ledger
 from .timeline import Sample
@@ -144,6 +146,7 @@ class BufferPool:
         self._protected: dict[str, str] = {}  # names a layer holds (protect()) -> by whom
         self._figures = PoolFigures(self.device, self._blobs, self._ledger, timeline=timeline)
         self._link = _PoolLink(self)
+        self._blocks = StepBlocks(self)
         host, accel = self._base.host, self._base.accel
         for adapt in adaptors:  # e.g. fault injection, innermost first
             host = adapt(host)
@@ -365,6 +368,51 @@ class BufferPool:
         """Record bytes one call of a layer on top had to allocate outside the pool."""
         self._figures.count_unpooled(nbytes)
 
+    # ---- whole steps served from the pool ---------------------------------------------------
+
+    def step(
+        self, name: str, *inputs: object, arena: str = "act.0"
+    ) -> contextlib.AbstractContextManager[None]:
+        """Serve every allocation of the block from one arena of this pool (no tracing).
+
+        The first run of a signature (``name``, the shapes, dtypes and devices of ``inputs``,
+        and whether autograd is on) runs as usual while its allocation sequence is recorded;
+        the sequence is planned at offsets of the arena buffer ``arena`` (a named buffer like
+        any other, shared with pooled steps of the same name: train and eval blocks share
+        its bytes), and later runs get those addresses. Allocations that outlive the block
+        (what it returns, gradients, anything kept) and any allocation of another thread
+        are PyTorch's as usual. A run that does something else (another sequence) is served
+        by PyTorch from there on and recorded anew: results are always those of the same
+        code without the block. On ``cuda`` pools, and where the router cannot be built, the
+        block runs as it is.
+
+        Args:
+            name: the block's name ("train", "eval").
+            inputs: the block's inputs, for its signature (any nesting of tensors and values).
+            arena: the arena's buffer name.
+
+        Example::
+
+            >>> import torch, sharedmem as sm
+            >>> pool, model = sm.BufferPool("cpu"), torch.nn.Linear(8, 2)
+            >>> for _ in range(3):
+            ...     x = torch.randn(4, 8)
+            ...     with pool.step("train", x):
+            ...         model(x).square().sum().backward()
+        """
+        return self._blocks.block(name, inputs, arena)
+
+    def growth_room(self, name: str) -> int | None:
+        """The most device bytes the buffer ``name`` may grow to under the limit (``None``:
+        no limit), counting that a moving backend holds the old block during the copy."""
+        if self._limit is None:
+            return None
+        blob = self._blobs.get(name)
+        capacity = 0 if blob is None else blob.data_memory.device_capacity
+        others = self._ledger.device_reserved - capacity
+        room = self._limit - others - (0 if self.stable_address else capacity)
+        return max(capacity, room)
+
     # ---- names held by layers on top ---------------------------------------------------
 
     def protect(self, name: str, holder: str) -> None:
@@ -428,12 +476,25 @@ class BufferPool:
         when no thread holds or is acquiring a view, and fetch views afresh after it.
         """
         self._forget_views()
-        return sum(memory.shrink_to_fit() for memory in unique_memories(self._blobs))
+        return sum(memory.shrink_to_fit() for memory in self._movable())
 
     def release(self) -> int:
-        """Free every buffer's memory (names stay, content goes); returns the bytes freed."""
+        """Free every buffer's memory (names stay, content goes); returns the bytes freed.
+
+        An arena that still holds tensors of a step (see ``step``: a tensor kept past its
+        step's end) is left as it is, by ``trim`` too, until those tensors are freed.
+        """
         self._forget_views()
-        return sum(memory.release() for memory in unique_memories(self._blobs))
+        return sum(memory.release() for memory in self._movable())
+
+    def _movable(self) -> list[SyncedMemory]:
+        # Memories that no routed allocation lives in: those may shrink, move or go.
+        held = {
+            id(self._blobs[name].data_memory)
+            for name in list(self._blobs)
+            if arena_live_bytes(self, name)
+        }
+        return [m for m in unique_memories(self._blobs) if id(m) not in held]
 
     def _forget_views(self) -> None:
         # The fast path's cached views would keep old blocks of moving backends (and of CUDA

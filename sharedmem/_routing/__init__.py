@@ -1,0 +1,26 @@
+"""The routing allocator: a step's allocations served from one arena of a pool.
+
+``router.cpp`` (compiled at first use, ``native``) replaces c10's CPU allocator and, inside a
+step's scope on the calling thread only, hands the n-th allocation the address its plan
+chose; everywhere else PyTorch's own allocator serves as usual. ``plan`` places a recorded
+sequence at offsets of one arena; ``route`` records, plans and replays one signature.
+"""
+
+from __future__ import annotations
+
+from .native import loaded, native, routing_enabled
+from .plan import Recording, RoutePlan, choose_plan, plan_offsets
+from .route import COUNTERS, Route, arena_live_bytes
+
+__all__ = [
+    "COUNTERS",
+    "Recording",
+    "Route",
+    "RoutePlan",
+    "arena_live_bytes",
+    "choose_plan",
+    "loaded",
+    "native",
+    "plan_offsets",
+    "routing_enabled",
+]

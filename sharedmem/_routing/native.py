@@ -1,0 +1,71 @@
+"""Loading the routing allocator: ``router.cpp`` compiled with ``torch.utils.cpp_extension``
+at first use (about half a minute, once; PyTorch caches the build under
+``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) and installed as c10's CPU
+allocator. Where it cannot be built (no C++ compiler, no ninja) or is turned off
+(``SHAREDMEM_ROUTING=0``), ``native()`` gives ``None`` with one warning, and pooled steps plan
+with ``out=`` kernels only, as before the router existed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+__all__ = ["loaded", "native", "routing_enabled"]
+
+_SOURCE = Path(__file__).with_name("router.cpp")
+_lock = threading.Lock()
+_loaded: list[Any] = []  # [module or None] once tried
+
+
+def routing_enabled() -> bool:
+    """Whether the environment allows the router (``SHAREDMEM_ROUTING=0`` turns it off)."""
+    return os.environ.get("SHAREDMEM_ROUTING", "1").strip().lower() not in ("0", "false", "off")
+
+
+def native() -> Any | None:
+    """The compiled router, installed as the CPU allocator; ``None`` where it is off or could
+    not be built (warned once)."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            _loaded.append(_load())
+    return _loaded[0]
+
+
+def loaded() -> Any | None:
+    """The router if ``native()`` has loaded it already (never builds it)."""
+    return _loaded[0] if _loaded else None
+
+
+def _load() -> Any | None:
+    if not routing_enabled():
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        module = cpp_extension.load(
+            name="sharedmem_routing",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O2"],
+            verbose=False,
+        )
+        if not module.install():
+            raise RuntimeError("c10 kept another CPU allocator")
+    except Exception as error:  # no compiler, no ninja, a failed build: fall back, say so once
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        warnings.warn(
+            "sharedmem: the routing allocator could not be built or installed "
+            f"({type(error).__name__}: {first}); pooled steps fall back to planning out= "
+            "kernels only, and the rest of each step is allocated beside the pool. Install a "
+            "C++ compiler and ninja (once) to serve whole steps from the pool, or set "
+            "SHAREDMEM_ROUTING=0 to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return module

@@ -1,0 +1,288 @@
+"""Offsets for a recorded allocation sequence: a static memory planner over one arena.
+
+A step's allocations, recorded once per signature, are intervals in time (from the tick of
+their allocation to the tick of their free) with a size. Those freed inside the step are
+given byte offsets in one arena such that no two live at the same time overlap; those that
+outlive it (the loss, gradients, what a hook keeps) stay with PyTorch's allocator.
+
+The heuristic packs allocations one at a time, each at the smallest gap, among the
+allocations already placed that are live at some tick of its own interval, that holds it
+(best fit), else above them; it packs in three orders and keeps the smallest arena: those
+live at the busiest tick first, longest-lived first (this one meets the lower bound on most
+steps: the busiest tick's allocations stack up without gaps); TFLite's greedy by size
+(largest first); and longest-lived first. Its arena is reported
+against the lower bound no packing can beat, the most bytes live at one tick (max-live).
+
+The arena is reserved for the whole step, while what outlives the step (gradients, mostly)
+is PyTorch's and grows during backward, often while the arena is full of activations: the
+step's peak is the arena plus the most bytes live beside it, where the allocator alone
+(eager) holds the most bytes live at once. ``choose_plan`` therefore compares arenas capped
+at fractions of the full packing (what does not fit is left to PyTorch) and keeps the one
+with the lowest peak, ties going to the fuller arena: a step never needs more than it would
+without the pool, and serves all it can from the arena at that peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["Recording", "RoutePlan", "choose_plan", "plan_offsets"]
+
+ALIGN = 64  # every planned address is a multiple of this: any dtype and vector load fits
+
+
+class Recording(NamedTuple):
+    """A step's allocation sequence, in order: the size of each allocation, the tick of its
+    allocation and the tick of its free (``-1``: alive when the step ended, it outlives it)."""
+
+    sizes: Sequence[int]
+    alloc_at: Sequence[int]
+    free_at: Sequence[int]
+
+    def live_peak(self) -> int:
+        """The most bytes of the step's own allocations live at one tick: what the
+        allocator alone (eager) holds at the step's peak, relative to its start."""
+        return _max_live(self.sizes, self.alloc_at, self.free_at)
+
+    @property
+    def total_bytes(self) -> int:
+        """The bytes of every allocation of the step."""
+        return sum(self.sizes)
+
+    @property
+    def outliving_bytes(self) -> int:
+        """The bytes of the allocations still alive when the step ended."""
+        return sum(s for s, f in zip(self.sizes, self.free_at, strict=True) if f < 0)
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """Where each recorded allocation is served: its arena offset, or ``-1`` (PyTorch's
+    allocator: it outlives the step, or the arena's ceiling left no room).
+
+    Attributes:
+        offsets: per allocation, in recorded order.
+        need: the arena bytes the plan uses (the top of its highest allocation).
+        lower_bound: the most bytes of the routed allocations live at one tick (max-live):
+            no packing needs fewer; ``need / lower_bound`` is the packing's overhead.
+        routed_bytes: bytes per call the plan serves from the arena.
+        beside_bytes: bytes per call served by PyTorch's allocator although they die inside
+            the step (the ceiling left them no room).
+        beside_peak: the most bytes served by PyTorch's allocator live at one tick (what
+            the step holds beside the arena at its busiest).
+    """
+
+    offsets: tuple[int, ...]
+    need: int
+    lower_bound: int
+    routed_bytes: int
+    beside_bytes: int
+    beside_peak: int
+
+
+def plan_offsets(recording: Recording, *, ceiling: int | None = None) -> RoutePlan:
+    """Place every allocation that dies inside the step at an arena offset.
+
+    Args:
+        recording: the step's sequence.
+        ceiling: the most arena bytes allowed (a pool limit): allocations that would reach
+            past it are served by PyTorch's allocator instead.
+
+    Returns:
+        The plan.
+
+    Example::
+
+        >>> from sharedmem._routing.plan import Recording, plan_offsets
+        >>> # 256 bytes freed before two 128-byte allocations that then share its bytes;
+        >>> # the last allocation outlives the step
+        >>> rec = Recording([256, 128, 128, 8], [0, 2, 3, 6], [1, 4, 5, -1])
+        >>> got = plan_offsets(rec)
+        >>> got.offsets, got.need, got.lower_bound
+        ((0, 0, 128, -1), 256, 256)
+    """
+    sizes, starts, ends = recording.sizes, recording.alloc_at, recording.free_at
+    candidates = [i for i in range(len(sizes)) if ends[i] >= 0 and sizes[i] > 0]
+    live = np.zeros(max([*starts, *ends], default=0) + 2, dtype=np.int64)
+    for i in candidates:
+        live[starts[i] : ends[i]] += sizes[i]
+    busiest = int(live.argmax())
+    # Orders to pack in; the smallest arena wins (the one packed first is kept on a tie).
+    orders = [
+        # live at the busiest tick first (they are the lower bound), longest-lived first
+        lambda i: (not starts[i] <= busiest < ends[i], starts[i] - ends[i], -sizes[i]),
+        lambda i: (-sizes[i], starts[i]),  # TFLite's greedy by size
+        lambda i: (starts[i] - ends[i], -sizes[i]),  # longest-lived first
+    ]
+    best: list[int] | None = None
+    best_need = 0
+    for key in orders:
+        offsets, need = _pack(recording, sorted(candidates, key=key), ceiling)
+        if best is None or need < best_need:
+            best, best_need = offsets, need
+    assert best is not None
+    return _described(recording, best)
+
+
+def _pack(recording: Recording, order: Sequence[int], ceiling: int | None) -> tuple[list[int], int]:
+    # Each allocation of ``order`` at its best gap among those placed that share a tick.
+    sizes, starts, ends = recording.sizes, recording.alloc_at, recording.free_at
+    offsets = [-1] * len(sizes)
+    # The placed allocations, as arrays grown in place: start tick, end tick, offset, top.
+    placed = np.zeros((4, max(1, len(order))), dtype=np.int64)
+    count = need = 0
+    for i in order:
+        size = -(-sizes[i] // ALIGN) * ALIGN
+        start, end = starts[i], ends[i]
+        live = placed[:, :count]
+        overlapping = live[:, (live[0] < end) & (start < live[1])]
+        offset = _best_gap(overlapping[2], overlapping[3], size)
+        if ceiling is not None and offset + size > ceiling:
+            continue
+        placed[:, count] = (start, end, offset, offset + size)
+        count += 1
+        offsets[i] = offset
+        need = max(need, offset + size)
+    return offsets, need
+
+
+def choose_plan(
+    recording: Recording,
+    *,
+    capacity: int = 0,
+    granularity: int = 16,
+    ceiling: int | None = None,
+) -> RoutePlan:
+    """The plan with the lowest step peak that serves the most bytes from the arena at it.
+
+    The full packing wins where it costs no more than leaving everything to PyTorch. Else
+    allocations are taken one at a time (those live at the step's busiest tick first: the
+    arena must be full there for the peak to fall; then largest first), each at its best
+    gap, refusing any that would grow the arena past the peak it lowers; passes repeat
+    while some are taken.
+
+    Args:
+        recording: the step's sequence.
+        capacity: the arena's bytes already there (other steps made it): free to use.
+        granularity: the arena grows in whole multiples of this many bytes.
+        ceiling: the most arena bytes allowed (a pool limit).
+
+    Returns:
+        The plan whose ``max(capacity, arena) + beside_peak`` is lowest.
+    """
+    full = plan_offsets(recording, ceiling=ceiling)
+    # Judged with a tolerance of one granule and 1%: the arena's rounding, and the bytes a
+    # kernel may take beside it, are no reason to leave a whole step to PyTorch.
+    alone = capacity + recording.live_peak()
+    if _peak(full, capacity, granularity) <= alone + alone // 100 + granularity:
+        return full
+    return _grow_greedily(recording, capacity, ceiling)
+
+
+def _peak(plan: RoutePlan, capacity: int, granularity: int) -> int:
+    return max(capacity, -(-plan.need // granularity) * granularity) + plan.beside_peak
+
+
+def _grow_greedily(recording: Recording, capacity: int, ceiling: int | None) -> RoutePlan:
+    sizes, starts, ends = recording.sizes, recording.alloc_at, recording.free_at
+    n = len(sizes)
+    horizon = max([*starts, *ends], default=0) + 2
+    beside = np.zeros(horizon + 1, dtype=np.int64)  # bytes live beside the arena per tick
+    for i in range(n):
+        beside[starts[i] : (ends[i] if ends[i] >= 0 else horizon)] += sizes[i]
+    busiest = int(beside.argmax())
+    pending = sorted(
+        (i for i in range(n) if ends[i] >= 0 and sizes[i] > 0),
+        key=lambda i: (not starts[i] <= busiest < ends[i], -sizes[i], starts[i]),
+    )
+    arena = capacity
+    offsets = [-1] * n
+    placed: list[tuple[int, int, int, int]] = []  # start, end, offset, top
+    while pending:
+        refused: list[int] = []
+        for i in pending:
+            start, end = starts[i], ends[i]
+            size = -(-sizes[i] // ALIGN) * ALIGN
+            busy = [(low, high) for s, e, low, high in placed if s < end and start < e]
+            lows = np.asarray([b[0] for b in busy], dtype=np.int64)
+            highs = np.asarray([b[1] for b in busy], dtype=np.int64)
+            offset = _best_gap(lows, highs, size)
+            # Judged in bytes: rounding each growth to the granule would refuse every first one.
+            grown = max(arena, offset + size)
+            if ceiling is not None and grown > ceiling:
+                refused.append(i)
+                continue
+            if grown > arena:
+                peak = arena + int(beside.max())
+                outside = max(_top(beside[:start]), _top(beside[end:]))
+                inside = int(beside[start:end].max()) - sizes[i]
+                if grown + max(outside, inside) > peak:
+                    refused.append(i)
+                    continue
+            arena = grown
+            beside[start:end] -= sizes[i]
+            placed.append((start, end, offset, offset + size))
+            offsets[i] = offset
+        if len(refused) == len(pending):
+            break
+        pending = refused
+    return _described(recording, offsets)
+
+
+def _top(values: np.ndarray) -> int:
+    return int(values.max()) if values.size else 0
+
+
+def _described(recording: Recording, offsets: list[int]) -> RoutePlan:
+    sizes, ends = recording.sizes, recording.free_at
+    n = len(sizes)
+    routed = [i for i in range(n) if offsets[i] >= 0]
+    beside = [i for i in range(n) if offsets[i] < 0]
+    need = max((offsets[i] + -(-sizes[i] // ALIGN) * ALIGN for i in routed), default=0)
+    return RoutePlan(
+        offsets=tuple(offsets),
+        need=need,
+        lower_bound=_max_live(*_pick(recording, routed)),
+        routed_bytes=sum(sizes[i] for i in routed),
+        beside_bytes=sum(sizes[i] for i in beside if ends[i] >= 0),
+        beside_peak=_max_live(*_pick(recording, beside)),
+    )
+
+
+def _best_gap(lows: np.ndarray, highs: np.ndarray, size: int) -> int:
+    # The smallest gap between the busy ranges [low, high) that holds ``size``; else the top.
+    if lows.size == 0:
+        return 0
+    order = np.argsort(lows, kind="stable")
+    best, best_gap, offset = -1, 0, 0
+    for low, high in zip(lows[order].tolist(), highs[order].tolist(), strict=True):
+        gap = low - offset
+        if gap >= size and (best < 0 or gap < best_gap):
+            best, best_gap = offset, gap
+        offset = max(offset, high)
+    return best if best >= 0 else offset
+
+
+def _pick(recording: Recording, chosen: list[int]) -> tuple[list[int], list[int], list[int]]:
+    return (
+        [recording.sizes[i] for i in chosen],
+        [recording.alloc_at[i] for i in chosen],
+        [recording.free_at[i] for i in chosen],
+    )
+
+
+def _max_live(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> int:
+    if not sizes:
+        return 0
+    horizon = max(max(starts), max(ends)) + 2
+    delta = np.zeros(horizon, dtype=np.int64)
+    np.add.at(delta, np.asarray(starts, dtype=np.int64), np.asarray(sizes, dtype=np.int64))
+    freed = [(e, s) for s, e in zip(sizes, ends, strict=True) if e >= 0]
+    if freed:
+        at, nbytes = zip(*freed, strict=True)
+        np.subtract.at(delta, np.asarray(at, dtype=np.int64), np.asarray(nbytes, dtype=np.int64))
+    return int(np.cumsum(delta).max())

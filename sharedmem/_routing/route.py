@@ -1,0 +1,191 @@
+"""Record, plan, replay: one signature's allocations served from one arena of a pool.
+
+The first call of a signature runs with the router recording (every allocation is
+PyTorch's, as without a pool); its sequence is planned (``plan_offsets``) and the arena, a
+named buffer of the pool, grown once to hold it. Later calls replay: the n-th allocation
+gets its planned address. A call that leaves its plan (another size, another count, or an
+allocation whose bytes are still held) is served by PyTorch from there on, counted, and the
+signature is recorded anew on its next call; no byte of a live tensor is ever handed out
+twice, since the router checks every planned address against the arena's live allocations.
+
+An arena allocation still alive when the call ends has escaped (a hook or a list kept it):
+it is neither moved nor an error. Its bytes stay fenced off, exactly as long as the tensor
+lives (the router refuses any later allocation that would overlap them), the pool keeps the
+arena while any such tensor lives (``trim`` and ``release`` leave it alone), and the
+signature is recorded anew so that its next plan knows the value outlives the call.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .native import loaded, native
+from .plan import Recording, RoutePlan, choose_plan, plan_offsets
+
+if TYPE_CHECKING:
+    from .._pool import BufferPool
+
+__all__ = ["COUNTERS", "Route", "arena_live_bytes"]
+
+# The pool counters the router adds to (``pool.stats()``), defined here once.
+COUNTERS = (
+    "arena_served_bytes",  # allocations served from the arena
+    "arena_fallback_bytes",  # allocations dying inside a step that PyTorch served
+    "arena_escaped_bytes",  # arena allocations still alive when their step ended
+    "recorded_calls",  # calls that recorded their sequence (served by PyTorch)
+    "replayed_calls",  # calls served by a plan
+    "diverged_calls",  # replays that left their plan part way
+)
+
+
+# The arenas a training step (autograd on) has been planned on: an inference step planned on
+# one of those fits in what it has, so that evaluation after training adds nothing.
+_TRAINED: weakref.WeakKeyDictionary[BufferPool, set[str]] = weakref.WeakKeyDictionary()
+# Where each arena was when a replay last served from it: the router's live allocations are
+# keyed by address.
+_BASES: weakref.WeakKeyDictionary[BufferPool, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+class Route:
+    """One signature's allocation sequence over the arena ``arena`` of ``pool``.
+
+    Args:
+        pool: the pool that holds the arena (a CPU or emulated pool: the router serves CPU
+            allocations).
+        arena: the arena's buffer name; routes of one pool that share it share its bytes
+            (train and eval, every batch size), each planned from offset 0.
+        training: a training step's route (its arena grows to the step's plan); an inference
+            route grows the arena only while no training route has been planned on it.
+    """
+
+    def __init__(self, pool: BufferPool, arena: str, *, training: bool) -> None:
+        self._pool = pool
+        self._arena = arena
+        self.training = training
+        self.plan: RoutePlan | None = None
+        self.recording: Recording | None = None
+        self._native_plan: Any = None
+        self.last: dict[str, int] = {}  # the counts of the latest replay
+        self.added_bytes = 0  # what planning this route grew the arena by
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """Serve the block's allocations on this thread: recorded on the first call (and after
+        a divergence), replayed from the arena after."""
+        router = native()
+        if router is None or router.active():  # no router, or a step inside a step
+            yield
+            return
+        if self.plan is None:
+            router.begin_record()
+            completed = False
+            try:
+                yield
+                completed = True
+            finally:
+                recording = Recording(*router.end_record())
+            self._pool.count("recorded_calls", 1)
+            if completed:  # a failed call's sequence is not the signature's
+                self._adopt(recording)
+            return
+        plan = self.plan
+        base = size = 0
+        if plan.need:
+            arena = self._pool.tensor(self._arena, (plan.need,), torch.uint8)
+            base, size = arena.data_ptr(), arena.numel()
+            _BASES.setdefault(self._pool, {})[self._arena] = base
+        held = router.live_bytes(base) if base else 0
+        router.begin_replay(self._native_plan, base, size)
+        try:
+            yield
+        finally:
+            self._account(router.end_replay(), held)
+
+    def _adopt(self, recording: Recording) -> None:
+        # Outside any scope: growing the arena is the pool's own allocation.
+        from .._errors import OutOfMemoryError
+
+        ceiling = self._ceiling()
+        before = self._capacity()
+        plan = choose_plan(
+            recording, capacity=before, granularity=self._pool.granularity, ceiling=ceiling
+        )
+        if plan.need:
+            try:
+                self._pool.tensor(self._arena, (plan.need,), torch.uint8)
+            except OutOfMemoryError:  # the limit's arithmetic was off: keep to what is there
+                plan = plan_offsets(recording, ceiling=self._capacity())
+        self.recording = recording
+        self.plan = plan
+        self.added_bytes = self._capacity() - before
+        self._native_plan = native().Plan(list(recording.sizes), list(plan.offsets))  # type: ignore[union-attr]
+
+    def _capacity(self) -> int:
+        if self._arena not in self._pool:
+            return 0
+        return self._pool.blob(self._arena).data_memory.device_capacity
+
+    def _ceiling(self) -> int | None:
+        capacity = self._capacity()
+        room = self._pool.growth_room(self._arena)
+        trained = _TRAINED.setdefault(self._pool, set())
+        if self.training:
+            trained.add(self._arena)
+        elif self._arena in trained:
+            return capacity  # evaluation after training: what the training steps made
+        if capacity and not self._pool.stable_address and arena_live_bytes(self._pool, self._arena):
+            return capacity  # escaped tensors live in it: a moving growth would strand them
+        return room
+
+    def _account(self, counts: dict[str, int], held: int) -> None:
+        self.last = counts
+        pool = self._pool
+        pool.count("replayed_calls", 1)
+        pool.count("arena_served_bytes", counts["served_bytes"])
+        assert self.plan is not None
+        beside = counts["fell_back_bytes"] + self.plan.beside_bytes
+        pool.count("arena_fallback_bytes", beside)
+        pool.count_unpooled(beside)
+        escaped = counts["live_bytes"] - held
+        if counts["diverged_at"] >= 0:
+            pool.count("diverged_calls", 1)
+        if escaped > 0:
+            pool.count("arena_escaped_bytes", escaped)
+            warnings.warn(
+                f"sharedmem: {escaped:,} bytes of a step's arena were still referenced when the "
+                "step ended (a hook or a list kept a tensor of the step): they stay fenced off "
+                "until that tensor is freed, and the step is recorded anew so that its next "
+                "plan leaves them to PyTorch's allocator",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if counts["diverged_at"] >= 0 or escaped > 0:
+            self.plan = None  # recorded anew on the next call
+
+    def describe(self) -> str:
+        """One line on the plan: what is served from the arena, against max-live."""
+        plan, recording = self.plan, self.recording
+        if plan is None or recording is None:
+            return "not recorded yet"
+        over = plan.need / plan.lower_bound - 1 if plan.lower_bound else 0.0
+        return (
+            f"{len(recording.sizes):,} allocations per call; {plan.routed_bytes:,} bytes served "
+            f"from an arena of {plan.need:,} bytes (max-live {plan.lower_bound:,}, "
+            f"{over:+.1%}); {recording.outliving_bytes:,} bytes outlive the call"
+        )
+
+
+def arena_live_bytes(pool: BufferPool, name: str) -> int:
+    """Bytes of routed allocations alive now in the buffer ``name`` of ``pool`` (0 where the
+    router never served from it): a buffer holding any must not move or be freed."""
+    router = loaded()
+    base = _BASES.get(pool, {}).get(name)
+    if router is None or base is None:
+        return 0
+    return int(router.live_bytes(base))

@@ -1,0 +1,317 @@
+"""The routing allocator: a step's allocations served from the pool's arena (record, plan,
+replay), results bit for bit those without it, kept tensors never overwritten, other threads
+untouched, the planner's packing, and the fallback where the router cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import sharedmem as sm
+from sharedmem._routing import Recording, choose_plan, native, plan_offsets
+
+pytestmark = pytest.mark.skipif(native() is None, reason="the routing allocator did not build")
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8),
+        nn.GELU(),
+        nn.Flatten(),
+        nn.Linear(8 * 16 * 16, 10),
+    )
+
+
+def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+
+def _arena_range(pool: sm.BufferPool, name: str = "act.0") -> tuple[int, int]:
+    memory = pool.blob(name).data_memory
+    base = pool.tensor(name, (memory.size,), torch.uint8).data_ptr()
+    return base, base + memory.device_capacity
+
+
+# ---- results are those of the same code without the pool ------------------------------------
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_an_eager_block_computes_bit_for_bit_what_plain_eager_does(set_to_none: bool) -> None:
+    plain, pooled = _cnn(), _cnn()
+    pool = sm.BufferPool("cpu")
+    for seed in range(5):
+        x, y = _batch(seed)
+        for model in (plain, pooled):
+            model.zero_grad(set_to_none=set_to_none)
+        _step(plain, x, y)
+        with pool.step("train", x, y):
+            _step(pooled, x, y)
+        for a, b in zip(plain.parameters(), pooled.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), f"seed {seed}"
+        for a, b in zip(plain.buffers(), pooled.buffers(), strict=True):
+            assert torch.equal(a, b), f"seed {seed}"
+    stats = pool.stats()
+    assert stats["recorded_calls"] == 1 and stats["replayed_calls"] == 4
+    assert stats["arena_served_bytes"] > 0
+
+
+def test_recurrent_and_data_dependent_blocks_stay_exact() -> None:
+    # A GRU (its recurrent state written in place) and a block whose sequence depends on the
+    # data: another sequence under the same signature is served by PyTorch and re-recorded.
+    torch.manual_seed(1)
+    gru = nn.GRU(6, 12, batch_first=True)
+    pool = sm.BufferPool("cpu")
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(3, 5, 6, generator=g)
+        repeats = 1 + seed % 3  # the sequence of allocations changes with the data
+        gru.zero_grad()
+        expected = None
+        for pooled in (False, True):
+            gru.zero_grad(set_to_none=True)
+            with pool.step("gru", x) if pooled else torch.enable_grad():
+                out = x
+                for _ in range(repeats):
+                    out = gru(out[..., :6])[0]
+                out.square().sum().backward()
+            grads = [p.grad.clone() for p in gru.parameters()]
+            if expected is None:
+                expected = grads
+            else:
+                assert all(torch.equal(a, b) for a, b in zip(expected, grads, strict=True))
+    assert pool.stats()["diverged_calls"] >= 1
+
+
+# ---- the pool holds the step ----------------------------------------------------------------
+
+
+def test_the_arena_serves_every_dying_allocation_packed_near_max_live() -> None:
+    model = _cnn()
+    pool = sm.BufferPool("cpu")
+    x, y = _batch(0)
+    model.zero_grad(set_to_none=False)
+    for _ in range(3):
+        model.zero_grad(set_to_none=False)
+        with pool.step("train", x, y):
+            _step(model, x, y)
+    (route,) = pool._blocks.routes().values()
+    assert route.plan is not None and route.recording is not None
+    dying = route.recording.total_bytes - route.recording.outliving_bytes
+    assert route.last["served_bytes"] >= 0.99 * dying
+    assert route.last["fell_back_bytes"] == 0
+    assert route.plan.need <= 1.05 * route.plan.lower_bound
+    assert "act.0" in pool.names()
+
+
+def test_train_and_eval_blocks_share_the_arena_and_eval_adds_nothing() -> None:
+    model = _cnn()
+    pool = sm.BufferPool("cpu")
+    x, y = _batch(0)
+    for _ in range(2):
+        model.zero_grad(set_to_none=False)
+        with pool.step("train", x, y):
+            _step(model, x, y)
+    reserved = pool.stats()["reserved_bytes"]
+    model.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            with pool.step("eval", x):
+                expected = model(x)
+    assert pool.stats()["reserved_bytes"] == reserved
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+def test_a_traced_step_serves_its_intermediates_from_the_arena() -> None:
+    plain, model = _cnn(), _cnn()
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(model, nn.functional.cross_entropy, pool=pool)
+    for seed in range(4):
+        x, y = _batch(seed)
+        plain.zero_grad(set_to_none=False)
+        model.zero_grad(set_to_none=False)
+        if seed == 0:  # gradients present from the start: nothing else outlives the call
+            _step(plain, x, y)
+            _step(model, x, y)
+        _step(plain, x, y)
+        step(x, y)
+        for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), f"seed {seed}"
+    summary = step.plan_summary()
+    assert "routed:" in str(summary)
+    assert pool.stats()["arena_served_bytes"] > 0
+    assert summary.unpooled_bytes == 0
+
+
+# ---- kept tensors are never overwritten -----------------------------------------------------
+
+
+def test_tensors_kept_past_the_block_keep_their_bytes() -> None:
+    # Kept in every way a user might: a hook that stores an activation, a list on the module,
+    # the block's own outputs. Each is checked against a copy taken when it was made.
+    model = _cnn()
+    pool = sm.BufferPool("cpu")
+    hooked: list[torch.Tensor] = []
+    calls = [0]
+
+    def keep(module: nn.Module, args: object, out: torch.Tensor) -> None:
+        calls[0] += 1
+        if calls[0] in (3, 4, 6):  # only after a plan was made: an escape it did not see
+            hooked.append(out)
+
+    model[4].register_forward_hook(keep)
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # each escape is warned about
+        for seed in range(6):
+            x, y = _batch(seed)
+            seen = len(hooked)
+            with pool.step("train", x, y):
+                out = model(x)
+                nn.functional.cross_entropy(out, y).backward()
+                model.stash = [out.detach() * 2]
+            kept += [(t, t.detach().clone()) for t in hooked[seen:]]
+            kept += [(out, out.detach().clone()), (model.stash[0], model.stash[0].clone())]
+            for i, (value, copy) in enumerate(kept):
+                assert torch.equal(value, copy), f"kept tensor {i} changed by call {seed}"
+    assert pool.stats()["arena_escaped_bytes"] > 0
+    # an arena that holds kept tensors is not trimmed or freed from under them
+    pool.trim()
+    pool.release()
+    assert all(torch.equal(value, copy) for value, copy in kept)
+
+
+# ---- other threads ------------------------------------------------------------------------
+
+
+def test_another_threads_allocations_are_untouched_by_a_step() -> None:
+    model = _cnn()
+    pool = sm.BufferPool("cpu")
+    x, y = _batch(0)
+    for _ in range(2):
+        model.zero_grad(set_to_none=False)
+        with pool.step("train", x, y):
+            _step(model, x, y)
+    inside, outside = threading.Event(), threading.Event()
+    made: list[torch.Tensor] = []
+
+    def other() -> None:
+        inside.wait()
+        made.extend(torch.full((256,), float(i)) for i in range(64))
+        outside.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    model.zero_grad(set_to_none=False)
+    with pool.step("train", x, y):
+        inside.set()
+        outside.wait()
+        _step(model, x, y)
+    thread.join()
+    low, high = _arena_range(pool)
+    assert all(not low <= t.data_ptr() < high for t in made)
+    assert all(torch.equal(t, torch.full((256,), float(i))) for i, t in enumerate(made))
+    (route,) = pool._blocks.routes().values()
+    assert route.last["diverged_at"] == -1
+
+
+# ---- the planner ----------------------------------------------------------------------------
+
+
+@st.composite
+def _recordings(draw: st.DrawFn) -> Recording:
+    n = draw(st.integers(1, 40))
+    events: list[tuple[str, int]] = []
+    alive: list[int] = []
+    sizes: list[int] = []
+    for i in range(n):
+        sizes.append(draw(st.integers(0, 5000)))
+        events.append(("alloc", i))
+        alive.append(i)
+        while alive and draw(st.booleans()):
+            events.append(("free", alive.pop(draw(st.integers(0, len(alive) - 1)))))
+    for i in alive:
+        if draw(st.booleans()):
+            events.append(("free", i))
+    alloc_at, free_at = [0] * n, [-1] * n
+    for tick, (kind, i) in enumerate(events):
+        (alloc_at if kind == "alloc" else free_at)[i] = tick
+    return Recording(sizes, alloc_at, free_at)
+
+
+@given(_recordings(), st.integers(0, 20_000))
+def test_no_two_live_allocations_share_a_byte(rec: Recording, capacity: int) -> None:
+    for plan in (plan_offsets(rec), choose_plan(rec, capacity=capacity, granularity=4096)):
+        placed = [
+            (rec.alloc_at[i], rec.free_at[i], off, off + rec.sizes[i])
+            for i, off in enumerate(plan.offsets)
+            if off >= 0
+        ]
+        assert all(rec.free_at[i] >= 0 for i, off in enumerate(plan.offsets) if off >= 0)
+        assert all(off % 64 == 0 and top <= plan.need for _, _, off, top in placed)
+        for k, (s1, e1, lo1, hi1) in enumerate(placed):
+            for s2, e2, lo2, hi2 in placed[k + 1 :]:
+                if s1 < e2 and s2 < e1:
+                    assert hi1 <= lo2 or hi2 <= lo1
+        assert plan.need >= plan.lower_bound or plan.lower_bound == 0
+
+
+@given(_recordings(), st.integers(0, 20_000))
+def test_the_chosen_plan_never_peaks_above_the_allocator_alone(rec: Recording, have: int) -> None:
+    plan = choose_plan(rec, capacity=have, granularity=64)
+    arena = max(have, -(-plan.need // 64) * 64)
+    alone = have + rec.live_peak()
+    assert arena + plan.beside_peak <= alone + alone // 100 + 64
+
+
+# ---- where the router cannot be built ---------------------------------------------------
+
+
+def test_without_a_compiler_one_warning_and_the_step_still_runs(tmp_path: object) -> None:
+    script = textwrap.dedent(
+        """
+        import warnings, torch, sharedmem as sm
+        from torch import nn
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+            pool = sm.BufferPool("cpu")
+            step = sm.pooled_train_step(model, nn.functional.mse_loss, pool=pool)
+            x, y = torch.randn(4, 8), torch.randn(4, 2)
+            for _ in range(3):
+                loss = step(x, y)
+            with pool.step("train", x):
+                model(x).sum().backward()
+        mine = [str(w.message) for w in caught if "routing allocator" in str(w.message)]
+        assert len(mine) == 1, mine
+        assert "C++ compiler" in mine[0]
+        assert "arena_served_bytes" not in pool.stats()
+        print("ok", float(loss))
+        """
+    )
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX="/bin/false", CC="/bin/false")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok")
