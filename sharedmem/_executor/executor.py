@@ -135,6 +135,10 @@ class Executor:
         self._last: Compiled | None = None
         self._binding: Binding | None = None
         self._trains = False  # a train step (its arena grows for it), not a forward
+        # Served through the routing allocator where it can be (see ``_routed``) when set
+        # before the first call. Off by default for now: budgets, the estimate before a call
+        # and a signature's recording call are not planned with the router yet.
+        self.routing = False
 
     def _state(self) -> tuple[Binding, State]:
         binding = self._binding
@@ -273,9 +277,12 @@ class Executor:
         """Whether a call's allocations are served by the routing allocator: on a CPU (or
         emulated) pool with the liveness plan, where the router could be built, unless the
         outputs are asked for as pool views (they outlive the call, so only the slot plan
-        can place them)."""
+        can place them), or the pool has a limit or the step a budget (the slot plan keeps to
+        those; the router's plan does not take one yet)."""
         return (
-            self.plan == "liveness"
+            self.routing
+            and self.pool.limit is None
+            and self.plan == "liveness"
             and not outputs_in_pool
             and self._device_type == "cpu"
             and native() is not None

@@ -309,6 +309,7 @@ class FittedTrainStep(Fitted):
             self._weighted = PooledTrainStep(
                 step.model, WeightedLoss(step.loss_fn), step.pool, step.plan, step.prefix
             )
+            self._weighted.routing = step.routing
         return self._weighted
 
     def _run_chunk(self, part: Chunk) -> torch.Tensor:
