@@ -34,6 +34,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .._errors import SharedMemError
 from .binding import Binding, Place, State, Swap
+from .ops import in_grad_mode
 
 __all__ = ["Leaves", "Traced", "flatten", "trace_forward", "trace_train"]
 
@@ -157,7 +158,7 @@ def trace_train(
         ]
 
     flat = [*state.params, *_detached(state.buffers), *inputs.tensors, *targets.tensors]
-    gm = _trace(joint, flat, f"the train step of {type(model).__name__}", binding)
+    gm = _grad_mode_ops(_trace(joint, flat, f"the train step of {type(model).__name__}", binding))
     return Traced(gm, stored[-1])
 
 
@@ -175,7 +176,14 @@ def trace_forward(model: nn.Module, binding: Binding, state: State, inputs: Leav
         specs.append((spec, tuple(place for place, _ in found)))
         return [*leaves, *(value for _, value in found)]
 
-    flat = [*(p.detach() for p in state.params), *_detached(state.buffers), *inputs.tensors]
+    # Parameters keep their requires_grad flag, as in an eager forward under no_grad: ATen's
+    # kernel choices read it (matmul folds a batched input into one mm only where the weight
+    # requires grad), and eager's kernel is what gives eager's bits.
+    flat = [
+        *(p.detach().requires_grad_(p.requires_grad) for p in state.params),
+        *_detached(state.buffers),
+        *inputs.tensors,
+    ]
     gm = _trace(forward, flat, f"the forward of {type(model).__name__}", binding)
     spec, places = specs[-1]
     return Traced(gm, places, spec)
@@ -196,7 +204,7 @@ def _trace(
             # (lists, dicts) are real tensors inside the fake trace: graph constants.
             # Stack traces (a few percent of tracing time) let errors found in the graph name
             # the model's source line.
-            return make_fx(
+            gm = make_fx(
                 fn, tracing_mode="fake", _allow_non_fake_inputs=True, record_stack_traces=True
             )(*flat)
     except SharedMemError:
@@ -226,6 +234,21 @@ def _trace(
         ) from e
     except Exception as e:
         raise SharedMemError(f"sharedmem: could not trace {what}: {_first_line(e)}") from e
+    return gm
+
+
+def _grad_mode_ops(gm: GraphModule) -> GraphModule:
+    """Make the ops whose kernels read grad mode run with it on, as they were traced in the
+    train step (see ``ops.in_grad_mode``); a forward traced without grad keeps them as they
+    are, since they choose their inference kernels there, as in eager."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (op := in_grad_mode(node.target)) is not None:
+            node.target = op
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def _first_line(e: BaseException) -> str:
