@@ -492,8 +492,7 @@ def test_none_in_inputs_and_targets_runs_as_eager() -> None:
             super().__init__()
             self.linear = nn.Linear(4, 4)
 
-        def forward(self, batch: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-            x, mask = batch
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
             out = self.linear(x)
             return out if mask is None else out * mask
 
@@ -507,7 +506,8 @@ def test_none_in_inputs_and_targets_runs_as_eager() -> None:
     step = sm.pooled_train_step(model, loss_fn, pool=pool)
     fwd = sm.pooled_forward(model, pool=pool)
     x, mask = torch.randn(3, 4), torch.ones(4)
-    assert torch.equal(step((x, None), None), loss_fn(eager((x, None)), None).detach())
+    # A tuple is positional arguments: model(x, None).
+    assert torch.equal(step((x, None), None), loss_fn(eager(x, None), None).detach())
     with torch.no_grad():
-        assert torch.equal(fwd((x, None)), eager((x, None)))
-        assert torch.equal(fwd((x, mask)), eager((x, mask)))  # another signature
+        assert torch.equal(fwd((x, None)), eager(x, None))
+        assert torch.equal(fwd((x, mask)), eager(x, mask))  # another signature

@@ -34,6 +34,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .._errors import SharedMemError
 from .binding import Binding, Place, State, Swap
+from .calling import call_model, plain_mapping
 from .ops import in_grad_mode
 
 __all__ = ["Leaves", "Traced", "flatten", "trace_forward", "trace_train"]
@@ -80,7 +81,7 @@ def flatten(tree: object, what: str) -> Leaves:
     if type(tree) is torch.Tensor and not tree.requires_grad:  # the common case, made cheap
         meta = (tree.shape, tree.stride(), tree.dtype, tree.device)
         return Leaves([tree], (_LEAF, meta), _LEAF, (TENSOR,))
-    leaves, spec = pytree.tree_flatten(tree)
+    leaves, spec = pytree.tree_flatten(plain_mapping(tree))
     tensors: list[torch.Tensor] = []
     key: list[object] = [spec]
     constants: list[object] = []
@@ -143,7 +144,7 @@ def trace_train(
         buffers = flat[n_params : n_params + n_buffers]
         data = flat[n_params + n_buffers :]
         with Swap(binding, [*params, *buffers]) as swap, torch.enable_grad():
-            out = model(inputs.rebuild(data[:n_inputs]))
+            out = call_model(model, inputs.rebuild(data[:n_inputs]))
             loss = loss_fn(out, targets.rebuild(data[n_inputs:]))
             found = swap.stored()
         if not isinstance(loss, torch.Tensor):
@@ -170,9 +171,10 @@ def trace_forward(model: nn.Module, binding: Binding, state: State, inputs: Leav
 
     def forward(*flat: torch.Tensor) -> list[Any]:
         with Swap(binding, flat[: n_params + n_buffers]) as swap, torch.no_grad():
-            out = model(inputs.rebuild(flat[n_params + n_buffers :]))
+            out = call_model(model, inputs.rebuild(flat[n_params + n_buffers :]))
             found = swap.stored()
         leaves, spec = pytree.tree_flatten(out)
+        _check_outputs(model, leaves)
         specs.append((spec, tuple(place for place, _ in found)))
         return [*leaves, *(value for _, value in found)]
 
@@ -187,6 +189,28 @@ def trace_forward(model: nn.Module, binding: Binding, state: State, inputs: Leav
     gm = _trace(forward, flat, f"the forward of {type(model).__name__}", binding)
     spec, places = specs[-1]
     return Traced(gm, places, spec)
+
+
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+def _check_outputs(model: nn.Module, leaves: list[Any]) -> None:
+    """Refuse, before anything runs, an output a graph cannot return: only tensors and plain
+    constants come out of one (a key/value cache object does not)."""
+    for leaf in leaves:
+        if isinstance(leaf, (torch.Tensor, *_CONSTANTS)):
+            continue
+        kind = type(leaf).__name__
+        fix = "return tensors (and plain constants) only"
+        if "cache" in kind.lower() or "cache" in type(leaf).__module__:
+            fix = (
+                "it is a key/value cache: pass use_cache=False with the inputs (or set "
+                "model.config.use_cache = False) to evaluate without one"
+            )
+        raise TypeError(
+            f"sharedmem: {type(model).__name__} returns a {kind}, which a pooled forward "
+            f"cannot return; {fix}"
+        )
 
 
 def _detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
