@@ -158,7 +158,14 @@ def trace_train(
             *(value.detach() for _, value in found),
         ]
 
-    flat = [*state.params, *_detached(state.buffers), *inputs.tensors, *targets.tensors]
+    # Detached: a parameter's .grad is no part of the trace, and a gradient that a cast
+    # (model.double()) changed in place confuses the fake copy of a parameter holding it.
+    flat = [
+        *(p.detach() for p in state.params),
+        *_detached(state.buffers),
+        *inputs.tensors,
+        *targets.tensors,
+    ]
     gm = _grad_mode_ops(_trace(joint, flat, f"the train step of {type(model).__name__}", binding))
     return Traced(gm, stored[-1])
 
