@@ -26,6 +26,7 @@ from .._executor.calling import OwnLoss, model_arguments, plain_mapping
 from .._executor.distributed import bucket_bytes, unwrap
 from .._pool import BufferPool
 from .._pool.report import human_bytes
+from .budget import parse_bytes
 from .live import LiveBytes, round_for
 
 __all__ = ["CATEGORIES", "MemoryEstimate", "estimate"]
@@ -61,11 +62,11 @@ class MemoryEstimate:
     train_bytes: dict[str, int]
     module_activation_bytes: dict[str, int] = field(default_factory=dict)
 
-    def fits(self, budget: int, *, pooled: bool = True) -> bool:
-        """Whether a train step's peak (pooled unless ``pooled=False``) fits ``budget`` bytes."""
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError(f"sharedmem: budget must be bytes (an int >= 0), got {budget!r}")
-        return (self.train_peak_pooled if pooled else self.train_peak_eager) <= budget
+    def fits(self, budget: int | str, *, pooled: bool = True) -> bool:
+        """Whether a train step's peak (pooled unless ``pooled=False``) fits ``budget``: bytes,
+        or a size such as ``"8G"``."""
+        nbytes = parse_bytes(budget)
+        return (self.train_peak_pooled if pooled else self.train_peak_eager) <= nbytes
 
     def report(self) -> str:
         """A table a person reads: the peaks, the categories, the biggest modules."""

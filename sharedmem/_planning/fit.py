@@ -73,9 +73,8 @@ class Fitted:
         device: torch.device,
         pool: BufferPool | None,
     ) -> None:
-        check_budget(budget, chunks)
         self.model = model
-        self.budget: int | str | None = budget  # type: ignore[assignment]
+        self.budget: int | str | None = check_budget(budget, chunks)
         self.fixed: int | None = chunks  # type: ignore[assignment]
         self.splitter = splitter
         self.device = device
