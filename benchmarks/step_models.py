@@ -10,6 +10,7 @@ layers, width 128), with their own code.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 
 import torch
@@ -110,9 +111,21 @@ class Logits(nn.Module):
 
 
 def _transformers_cases() -> list[Case]:
+    """The transformers models, or none, with one line on stderr saying why, where the
+    package is missing or cannot import its models here (a torchvision built for another
+    torch makes ``transformers.GPT2LMHeadModel`` fail to import)."""
     try:
         import transformers
-    except ImportError:
+
+        for name in ("GPT2LMHeadModel", "BertForSequenceClassification", "LlamaForCausalLM"):
+            getattr(transformers, name)  # the models import lazily: import them now
+    except Exception as error:  # any import failure: leave the models out, never crash
+        first = (str(error).splitlines() or [""])[0]
+        print(
+            f"step_models: skipping GPT-2, BERT and Llama: transformers cannot import them "
+            f"({type(error).__name__}: {first})",
+            file=sys.stderr,
+        )
         return []
     logging.getLogger("transformers").setLevel(logging.ERROR)
     size = {"vocab_size": 1000}

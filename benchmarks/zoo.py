@@ -98,10 +98,12 @@ def _timm() -> list[Model]:
     _define_torchvision_ops()  # timm imports torchvision where it is installed
     import timm
 
+    create = timm.create_model  # fails here, not in a build, where timm cannot load
+
     def image(name: str, size: int, **kw: Any) -> Callable[[], Built]:
         def build() -> Built:
             x, y = _images(2, size)
-            model = timm.create_model(name, pretrained=False, num_classes=10, **kw)
+            model = create(name, pretrained=False, num_classes=10, **kw)
             return model, x, y, F.cross_entropy
 
         return build
@@ -130,6 +132,12 @@ def _transformers() -> list[Model]:
     _define_torchvision_ops()  # transformers imports torchvision where it is installed
     import transformers
 
+    # The models import lazily: import them now, so a zoo that cannot is skipped as a whole.
+    for name in (
+        "GPT2LMHeadModel", "BertForSequenceClassification", "LlamaForCausalLM",
+        "T5ForConditionalGeneration", "DistilBertForSequenceClassification", "Qwen2ForCausalLM",
+    ):  # fmt: skip
+        getattr(transformers, name)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     no_dropout = {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
     bert_like = {

@@ -36,8 +36,7 @@ class Seq2Seq(nn.Module):
         self.score = nn.Linear(hidden, hidden, bias=False)
         self.out = nn.Linear(2 * hidden, vocab)
 
-    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        source, target_in = batch
+    def forward(self, source: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
         states, last = self.encoder(self.src_embed(source))  # (B, S, H), (1, B, H)
         hidden, context = last[0], torch.zeros_like(last[0])
         embedded = self.tgt_embed(target_in)
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         for _ in range(args.steps):
             inputs, targets = make_batch(args.batch, args.length)
             opt.zero_grad()
-            loss = sequence_loss(model(inputs), targets)
+            loss = sequence_loss(model(*inputs), targets)
             loss.backward()
             opt.step()
             losses.append(loss.item())

@@ -1,7 +1,8 @@
 """Copies of the objects themselves (``copy.copy``, ``copy.deepcopy``, ``pickle``) of a
 SyncedMemory: an independent memory with the same bytes, or a clear refusal.
 
-Only the memory's public API is used, so the state machine stays in ``_synced``.
+Only the memory's public API is used, so the state machine stays in ``_synced``; this module
+imports nothing of it at run time (the class to rebuild travels in the pickle).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._backends import backend_names
+from ._side import Head
 
 if TYPE_CHECKING:
     from ._synced import SyncedMemory
@@ -30,21 +32,19 @@ def refuse_shallow_copy(memory: SyncedMemory) -> SyncedMemory:
 def reduce_memory(memory: SyncedMemory) -> tuple[object, tuple[object, ...]]:
     """Pickle and deepcopy: an independent memory on the same device, with the bytes below
     the current size (a pool's accounting does not travel: the copy is a plain memory)."""
-    from ._synced import Head
-
     with memory.lock:
         written = memory.head is not Head.UNINITIALIZED and memory.size > 0
         content = memory.host_data().clone() if written else torch.zeros(0, dtype=torch.uint8)
     backend = memory.placement.device_backend.kind
-    return (_rebuild, (memory.size, memory.device, backend, memory.name, content))
+    return (_rebuild, (type(memory), memory.size, memory.device, backend, memory.name, content))
 
 
-def _rebuild(size: int, device: str, backend: str, name: str, content: torch.Tensor) -> object:
-    from ._synced import SyncedMemory
-
+def _rebuild(
+    kind: type[SyncedMemory], size: int, device: str, backend: str, name: str, content: torch.Tensor
+) -> SyncedMemory:
     # The default backend where the pickled one does not exist here (vmm on another GPU, say).
     chosen = backend if backend in backend_names(device) else None
-    memory = SyncedMemory(size, device=device, backend=chosen, name=name)
+    memory = kind(size, device=device, backend=chosen, name=name)
     if content.numel():
         memory.mutable_host_data().copy_(content)
     return memory

@@ -1,12 +1,24 @@
-"""One side of a SyncedMemory: its block, how much of it is current, and the copy in flight."""
+"""One side of a SyncedMemory: its block, how much of it is current, and the copy in flight;
+and the head, which side holds the newest bytes."""
 
 from __future__ import annotations
+
+import enum
 
 import torch
 
 from ._backends import Backend, Block, Fence
 
-__all__ = ["Side"]
+__all__ = ["Head", "Side"]
+
+
+class Head(enum.Enum):
+    """Which side of a SyncedMemory holds the newest bytes."""
+
+    UNINITIALIZED = "uninitialized"  # no side touched since creation or release
+    AT_HOST = "at_host"  # the host holds every newest byte; the device may be stale
+    AT_DEVICE = "at_device"  # the device holds every newest byte; the host may be stale
+    SYNCED = "synced"  # both sides hold every newest byte
 
 
 class Side:

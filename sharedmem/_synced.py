@@ -16,7 +16,6 @@ logical size here is a number any view may change:
 
 from __future__ import annotations
 
-import enum
 import itertools
 import threading
 import weakref
@@ -26,7 +25,7 @@ import torch
 from ._backends import Fence, Placement, resolve
 from ._copying import reduce_memory, refuse_shallow_copy
 from ._devices import DeviceLike
-from ._side import Side
+from ._side import Head, Side
 from ._validate import check_byte_tensor, check_nbytes
 
 __all__ = ["Head", "SyncedMemory"]
@@ -42,15 +41,6 @@ def _forget_sides(sides: tuple[Side, ...]) -> None:
         if side.block is not None:
             side.backend.forget(side.block)
             side.block = None
-
-
-class Head(enum.Enum):
-    """Which side of a SyncedMemory holds the newest bytes."""
-
-    UNINITIALIZED = "uninitialized"  # no side touched since creation or release
-    AT_HOST = "at_host"  # the host holds every newest byte; the device may be stale
-    AT_DEVICE = "at_device"  # the device holds every newest byte; the host may be stale
-    SYNCED = "synced"  # both sides hold every newest byte
 
 
 class SyncedMemory:

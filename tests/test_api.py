@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import sharedmem as sm
 
@@ -41,3 +43,46 @@ def test_import_and_cpu_use_never_initialize_cuda() -> None:
         "assert 'sharedmem._backends.cuda' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _runtime_imports(path: Path, package: str) -> set[str]:
+    """The sharedmem modules ``path`` imports when it runs (type-checking imports left out),
+    as dotted names resolved from relative imports."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for stmt in block.body
+        for node in ast.walk(stmt)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and id(node) not in typing_only and node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_two_modules_import_each_other() -> None:
+    # A circle is dodged by an import inside a function; put the shared piece below both.
+    root = Path(sm.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if parts[-1] == "__init__" else name.rpartition(".")[0]
+        modules[name] = (path, package)
+    imports = {
+        name: _runtime_imports(path, package) & set(modules)
+        for name, (path, package) in modules.items()
+    }
+    circles = sorted(
+        (a, b)
+        for a, found in imports.items()
+        for b in found
+        if a < b and a in imports[b] and not (b.startswith(a + ".") or a.startswith(b + "."))
+    )
+    assert circles == []

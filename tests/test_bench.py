@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,30 @@ def cuda_records() -> list[dict[str, Any]]:
         bench_cuda.growth_record("vmm", 1 << 26, [sample(128 << 20, 0, True)], 2e-3),
         bench_cuda.growth_record("torch", 1 << 26, [sample(192 << 20, 1 << 26, False)], 2e-3),
     ]
+
+
+class _BrokenModels(types.ModuleType):
+    """A transformers that imports but whose models do not (built for another torch)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise ModuleNotFoundError(f"Could not import module {name!r}")
+
+
+def test_an_optional_zoo_that_cannot_import_is_skipped_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import step_models
+    import zoo
+
+    for name in ("transformers", "timm", "torchvision", "torchvision.models"):
+        monkeypatch.setitem(sys.modules, name, _BrokenModels(name))
+    capsys.readouterr()  # what importing step_models said about this environment
+    assert step_models._transformers_cases() == []
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "skipping GPT-2" in said[0] and "Could not import" in said[0]
+    models = zoo.zoo()
+    assert {m.zoo for m in models} == {"torch"}  # LSTM and GRU need torch alone
+    assert set(zoo.skipped()) == {"torchvision", "timm", "transformers"}
 
 
 def test_cuda_rows_come_from_the_cuda_benchmark_records() -> None:

@@ -12,8 +12,7 @@ from conftest import HAS_CUDA
 
 import sharedmem as sm
 from sharedmem._cli import main
-from sharedmem._cli.demo import DemoConfig, run_demo
-from sharedmem._cli.main import demo_verdict
+from sharedmem._cli.demo import DemoConfig, demo_verdict, run_demo
 
 
 @pytest.mark.parametrize("device", ["cpu", "emulated"])

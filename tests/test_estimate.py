@@ -214,3 +214,32 @@ def test_the_command_prints_the_report_and_judges_a_budget(
         with pytest.raises(SystemExit) as exit_:
             main(["estimate", bad, "--input", "4x3x16x16"])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_command_takes_several_inputs_keywords_and_the_models_own_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "estimate_inputs.py").write_text(
+        "import torch\n"
+        "class Tagger(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb, self.fc = torch.nn.Embedding(100, 8), torch.nn.Linear(8, 5)\n"
+        "    def forward(self, ids, mask=None, labels=None):\n"
+        "        out = self.fc(self.emb(ids) * (1 if mask is None else mask[..., None])).mean(1)\n"
+        "        if labels is None:\n"
+        "            return out\n"
+        "        return {'loss': torch.nn.functional.cross_entropy(out, labels), 'logits': out}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = "estimate_inputs:Tagger"
+    assert main(["estimate", model, "--input", "4x12:int64", "--input", "4x12"]) == 0
+    assert "memory estimate" in capsys.readouterr().out
+    keywords = ["--input", "ids=4x12:int64", "--input", "labels=4:int64", "--loss", "model"]
+    assert main(["estimate", model, *keywords, "--budget", "1G"]) == 0
+    assert "the pooled step fits" in capsys.readouterr().out
+    assert main(["estimate", model, "--input", "ids=4x12:int64", "--input", "4x12"]) == 2
+    assert "not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", model, "--input", "ids=4x12:int7"])
+    assert exit_.value.code == 2 and "dtype is one of" in capsys.readouterr().err

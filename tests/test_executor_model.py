@@ -236,6 +236,32 @@ def test_a_replaced_added_or_removed_part_is_traced_anew(pool: sm.BufferPool) ->
         assert_same_grads(eager, pooled)
 
 
+def test_a_cast_model_is_traced_anew_and_keeps_adding_into_its_gradients() -> None:
+    # model.double() after a step: the parameters change dtype in place (and so do the
+    # gradients they hold), which is a change of the model like any other.
+    torch.manual_seed(5)
+    pooled = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    eager = copy.deepcopy(pooled)
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(pooled, nn.MSELoss(), pool=pool)
+    fwd = sm.pooled_forward(pooled, pool=pool)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    for cast in (lambda m: m, nn.Module.double, nn.Module.float):
+        for m in (eager, pooled):
+            cast(m)
+        dtype = pooled[0].weight.dtype
+        xs, ys = x.to(dtype), y.to(dtype)
+        expected = nn.MSELoss()(eager(xs), ys)
+        expected.backward()  # adds into the gradients of the steps before, as the step does
+        loss = step(xs, ys)
+        assert loss.dtype == dtype and torch.equal(loss, expected.detach())
+        for a, b in zip(eager.parameters(), pooled.parameters(), strict=True):
+            assert b.grad is not None and b.grad.dtype == dtype
+            assert a.grad is not None and torch.equal(a.grad, b.grad)
+        with torch.no_grad():
+            assert torch.equal(fwd(xs), eager(xs))
+
+
 def test_untied_weights_get_their_own_gradients() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -492,8 +518,7 @@ def test_none_in_inputs_and_targets_runs_as_eager() -> None:
             super().__init__()
             self.linear = nn.Linear(4, 4)
 
-        def forward(self, batch: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-            x, mask = batch
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
             out = self.linear(x)
             return out if mask is None else out * mask
 
@@ -507,7 +532,8 @@ def test_none_in_inputs_and_targets_runs_as_eager() -> None:
     step = sm.pooled_train_step(model, loss_fn, pool=pool)
     fwd = sm.pooled_forward(model, pool=pool)
     x, mask = torch.randn(3, 4), torch.ones(4)
-    assert torch.equal(step((x, None), None), loss_fn(eager((x, None)), None).detach())
+    # A tuple is positional arguments: model(x, None).
+    assert torch.equal(step((x, None), None), loss_fn(eager(x, None), None).detach())
     with torch.no_grad():
-        assert torch.equal(fwd((x, None)), eager((x, None)))
-        assert torch.equal(fwd((x, mask)), eager((x, mask)))  # another signature
+        assert torch.equal(fwd((x, None)), eager(x, None))
+        assert torch.equal(fwd((x, mask)), eager(x, mask))  # another signature

@@ -280,6 +280,19 @@ def test_the_same_budget_and_shapes_give_the_same_chunks() -> None:
     assert len(counts) == 1
 
 
+def test_a_budget_is_bytes_or_a_size_as_the_command_line_writes_it() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = data("cnn", 40, gen)
+    pool = sm.BufferPool("cpu")
+    for written, nbytes in (("8G", 8 << 30), ("200K", 200 << 10), ("512_000", 512_000)):
+        by_size = sm.pooled_train_step(cnn(0), F.mse_loss, pool=pool, budget=written)
+        by_bytes = sm.pooled_train_step(cnn(0), F.mse_loss, pool=pool, budget=nbytes)
+        assert by_size.budget == nbytes and by_size.chunks_for(x, y) == by_bytes.chunks_for(x, y)
+        assert sm.fit_step(cnn(0), F.mse_loss, budget=written).budget == nbytes
+    est = sm.estimate(cnn(0), x, y, loss_fn=F.mse_loss)
+    assert est.fits("8G") and not est.fits("1K")
+
+
 def test_an_eager_budget_bounds_the_allocators_peak() -> None:
     gen = torch.Generator().manual_seed(0)
     x, y = data("mlp", 256, gen)
@@ -379,6 +392,7 @@ def test_bad_arguments_say_what_is_wrong() -> None:
         ({"budget": -1}, ValueError, "budget"),
         ({"budget": True}, ValueError, "budget"),
         ({"budget": "all"}, ValueError, "budget"),
+        ({"budget": "8Q"}, ValueError, "budget"),
         ({"chunks": 0}, ValueError, "chunks"),
         ({"budget": 10, "chunks": 2}, ValueError, "not both"),
         ({"chunks": 2, "batch_dim": -1}, ValueError, "batch_dim"),

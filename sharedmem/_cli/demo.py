@@ -9,6 +9,7 @@ evaluation net reuses the training net's buffers by name and adds (almost) nothi
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -19,7 +20,7 @@ import torch
 from .._pool import BufferPool
 from .._pool.report import human_bytes
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "demo_verdict", "run_demo"]
 
 
 @dataclass(frozen=True)
@@ -287,3 +288,24 @@ def run_demo(
         "seconds": elapsed,
         "pool": pool,
     }
+
+
+def demo_verdict(losses: list[float], per_net_losses: list[float]) -> str | None:
+    """Why the demo's run counts as failed, or ``None`` when it worked.
+
+    The two allocation schemes must compute the same losses up to rounding (allocation must
+    not change the maths), every loss must be finite, and a run long enough to learn (30
+    steps or more) must end below where it started; a short run may go either way on noisy
+    batches.
+    """
+    if not all(math.isfinite(loss) for loss in losses):
+        return "a loss is not finite"
+    # Equal up to rounding: a matrix kernel may take another path for another buffer address
+    # (alignment), which changes the last bits, never more.
+    if len(losses) != len(per_net_losses) or not all(
+        math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses, per_net_losses, strict=False)
+    ):
+        return "the shared pool's losses differ from the per-net run's beyond rounding"
+    if len(losses) >= 30 and not losses[-1] < losses[0]:
+        return f"the loss did not go down ({losses[0]:.4f} -> {losses[-1]:.4f})"
+    return None

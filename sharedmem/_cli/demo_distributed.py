@@ -23,7 +23,7 @@ from .._errors import SharedMemError
 from .._planning import pooled_forward, pooled_train_step
 from .._pool import BufferPool
 from .._pool.report import human_bytes
-from .demo import DemoConfig, SyntheticData
+from .demo import DemoConfig, SyntheticData, demo_verdict
 
 __all__ = ["RankMemory", "run_distributed_demo"]
 
@@ -69,8 +69,6 @@ def run_distributed_demo(config: DemoConfig) -> int:
     """Train and evaluate on every rank; rank 0 prints the figures. Returns the exit status:
     0, or 1 when a loss is not finite, the pooled losses differ from eager DDP's, or an
     evaluation at a batch no larger than training's added bytes on some rank."""
-    from .main import demo_verdict  # main imports this module on demand: no cycle
-
     rank, world, device = _init(config)
     model_device = "cpu" if device == "emulated" else device
     torch.manual_seed(config.seed)  # the same initial weights everywhere (DDP broadcasts them)

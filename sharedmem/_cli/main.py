@@ -8,14 +8,13 @@ said in one line that starts with ``sharedmem:``, never as a traceback.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
 
 from .._devices import normalize_device
 from .._errors import SharedMemError
-from .demo import DemoConfig, run_demo
+from .demo import DemoConfig, demo_verdict, run_demo
 from .estimate import add_estimate_command
 from .stress import _count, add_stress_command
 
@@ -45,27 +44,6 @@ def _output_path(text: str) -> str:
             f"sharedmem: cannot write {text!r}: the folder {str(folder)!r} is not writable"
         )
     return text
-
-
-def demo_verdict(losses: list[float], per_net_losses: list[float]) -> str | None:
-    """Why the demo's run counts as failed, or ``None`` when it worked.
-
-    The two allocation schemes must compute the same losses up to rounding (allocation must
-    not change the maths), every loss must be finite, and a run long enough to learn (30
-    steps or more) must end below where it started; a short run may go either way on noisy
-    batches.
-    """
-    if not all(math.isfinite(loss) for loss in losses):
-        return "a loss is not finite"
-    # Equal up to rounding: a matrix kernel may take another path for another buffer address
-    # (alignment), which changes the last bits, never more.
-    if len(losses) != len(per_net_losses) or not all(
-        math.isclose(a, b, rel_tol=1e-4) for a, b in zip(losses, per_net_losses, strict=False)
-    ):
-        return "the shared pool's losses differ from the per-net run's beyond rounding"
-    if len(losses) >= 30 and not losses[-1] < losses[0]:
-        return f"the loss did not go down ({losses[0]:.4f} -> {losses[-1]:.4f})"
-    return None
 
 
 def _demo(args: argparse.Namespace) -> int:

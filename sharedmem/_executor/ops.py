@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-__all__ = ["Adapt", "Kind", "OpRule", "fill_value", "rule_for"]
+__all__ = ["Adapt", "Kind", "OpRule", "fill_value", "in_grad_mode", "rule_for"]
 
 aten = torch.ops.aten
 
@@ -139,6 +139,42 @@ _SCRATCH_OUT: dict[OpOverload, Adapt] = {
     aten.soft_margin_loss.default: _unreduced(2),
     aten.binary_cross_entropy.default: _unreduced(3),
 }
+
+
+# Ops whose kernel reads autograd's grad mode, which the executor runs with off: mkldnn's RNN
+# layer (every CPU nn.LSTM/nn.GRU step in float32) returns the workspace its backward reads
+# only while grad mode is on, and an undefined tensor otherwise.
+_GRAD_MODE: frozenset[OpOverload] = frozenset({aten.mkldnn_rnn_layer.default})
+_LIBRARY: list[torch.library.Library] = []  # kept alive: an op lives as long as its library
+
+
+def in_grad_mode(op: object) -> OpOverload | None:
+    """The op that runs ``op`` with grad mode on, or ``None`` where ``op`` does not read it.
+
+    It is an op of its own (``sharedmem::grad_mode_<name>``) with ``op``'s schema, so a graph
+    keeps its node as it was traced and the executor runs it as any op without an ``out=``
+    form; it records no autograd graph (its inputs do not require grad). Fake tensors pass
+    through it to ``op``'s own fake kernel.
+    """
+    return _grad_mode_op(op) if op in _GRAD_MODE else None
+
+
+@functools.cache
+def _grad_mode_op(op: OpOverload) -> OpOverload:
+    if not _LIBRARY:
+        _LIBRARY.append(torch.library.Library("sharedmem", "FRAGMENT"))  # type: ignore[no-untyped-call]
+    library = _LIBRARY[0]
+    base = op._schema.name.split("::")[-1]
+    name = f"grad_mode_{base}"
+    library.define(name + str(op._schema).split("::", 1)[1].removeprefix(base))  # type: ignore[no-untyped-call]
+
+    def run(*args: object, **kwargs: object) -> object:
+        with torch.enable_grad():
+            return op(*args, **kwargs)
+
+    library.impl(name, run, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+    found: OpOverload = getattr(torch.ops.sharedmem, name).default
+    return found
 
 
 def fill_value(op: OpOverload, args: _Args, kwargs: _Kwargs) -> object:

@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 
 from .._pool import BufferPool
 from .accumulate import accumulating
+from .calling import OwnLoss, check_targets
 from .distributed import GradientSync, after_forward, sync_buffers
 from .executor import Executor, MemoryPlan, describe, returned_bytes
 from .trace import flatten, trace_forward, trace_train
@@ -37,16 +38,17 @@ class PooledTrainStep(Executor):
     ) -> None:
         super().__init__(model, pool, plan, prefix)
         self._trains = True
-        if not callable(loss_fn):
+        if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"sharedmem: loss_fn must be callable, got {type(loss_fn).__name__}")
-        self.loss_fn: Callable[[Any, Any], torch.Tensor] = loss_fn
+        self.own_loss = loss_fn is None
+        self.loss_fn: Callable[[Any, Any], torch.Tensor] = OwnLoss() if loss_fn is None else loss_fn
         self._sync = None if self.ddp is None else GradientSync(self.ddp, pool, self.prefix)
 
-    def __call__(self, inputs: object, targets: object) -> torch.Tensor:
+    def __call__(self, inputs: object, targets: object = None) -> torch.Tensor:
         """Run forward and backward, add the gradients into ``p.grad``, return the loss."""
         binding, state = self._state()
         x = flatten(inputs, "inputs")
-        y = flatten(targets, "targets")
+        y = flatten(self.check_targets(targets), "targets")
         mode = self._mode()
         traced_key = (state.key, x.key, y.key, mode)
         # Gradients already there are added into inside the graph (see ``accumulate``); the
@@ -102,11 +104,11 @@ class PooledTrainStep(Executor):
         result: torch.Tensor = loss if compiled.owned[0] else loss.clone()
         return result
 
-    def memory_plan(self, inputs: object, targets: object) -> MemoryPlan:
+    def memory_plan(self, inputs: object, targets: object = None) -> MemoryPlan:
         """The memory a call with ``inputs`` and ``targets`` would plan, traced but not run
         (nothing is allocated in the pool)."""
         binding, state = self._state()
-        x, y = flatten(inputs, "inputs"), flatten(targets, "targets")
+        x, y = flatten(inputs, "inputs"), flatten(self.check_targets(targets), "targets")
         key = (state.key, x.key, y.key, self._mode())
         traced = self._traced.get(key)
         if traced is None:
@@ -116,6 +118,10 @@ class PooledTrainStep(Executor):
         present = () if self._sync is not None else tuple(p.grad is not None for p in state.params)
         recorded = self._recorded((*key, present), returned_bytes(traced.gm))
         return recorded or self._memory_plan(traced, outputs_in_pool=False)
+
+    def check_targets(self, targets: object) -> object:
+        """``targets``, refused where the step's loss is the model's own."""
+        return check_targets(self.own_loss, targets)
 
 
 class PooledForward(Executor):

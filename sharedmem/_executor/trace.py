@@ -34,6 +34,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .._errors import SharedMemError
 from .binding import Binding, Place, State, Swap
+from .calling import call_model, plain_mapping
+from .ops import in_grad_mode
 
 __all__ = ["Leaves", "Traced", "flatten", "trace_forward", "trace_train"]
 
@@ -79,7 +81,7 @@ def flatten(tree: object, what: str) -> Leaves:
     if type(tree) is torch.Tensor and not tree.requires_grad:  # the common case, made cheap
         meta = (tree.shape, tree.stride(), tree.dtype, tree.device)
         return Leaves([tree], (_LEAF, meta), _LEAF, (TENSOR,))
-    leaves, spec = pytree.tree_flatten(tree)
+    leaves, spec = pytree.tree_flatten(plain_mapping(tree))
     tensors: list[torch.Tensor] = []
     key: list[object] = [spec]
     constants: list[object] = []
@@ -142,7 +144,7 @@ def trace_train(
         buffers = flat[n_params : n_params + n_buffers]
         data = flat[n_params + n_buffers :]
         with Swap(binding, [*params, *buffers]) as swap, torch.enable_grad():
-            out = model(inputs.rebuild(data[:n_inputs]))
+            out = call_model(model, inputs.rebuild(data[:n_inputs]))
             loss = loss_fn(out, targets.rebuild(data[n_inputs:]))
             found = swap.stored()
         if not isinstance(loss, torch.Tensor):
@@ -156,8 +158,15 @@ def trace_train(
             *(value.detach() for _, value in found),
         ]
 
-    flat = [*state.params, *_detached(state.buffers), *inputs.tensors, *targets.tensors]
-    gm = _trace(joint, flat, f"the train step of {type(model).__name__}", binding)
+    # Detached: a parameter's .grad is no part of the trace, and a gradient that a cast
+    # (model.double()) changed in place confuses the fake copy of a parameter holding it.
+    flat = [
+        *(p.detach() for p in state.params),
+        *_detached(state.buffers),
+        *inputs.tensors,
+        *targets.tensors,
+    ]
+    gm = _grad_mode_ops(_trace(joint, flat, f"the train step of {type(model).__name__}", binding))
     return Traced(gm, stored[-1])
 
 
@@ -169,16 +178,46 @@ def trace_forward(model: nn.Module, binding: Binding, state: State, inputs: Leav
 
     def forward(*flat: torch.Tensor) -> list[Any]:
         with Swap(binding, flat[: n_params + n_buffers]) as swap, torch.no_grad():
-            out = model(inputs.rebuild(flat[n_params + n_buffers :]))
+            out = call_model(model, inputs.rebuild(flat[n_params + n_buffers :]))
             found = swap.stored()
         leaves, spec = pytree.tree_flatten(out)
+        _check_outputs(model, leaves)
         specs.append((spec, tuple(place for place, _ in found)))
         return [*leaves, *(value for _, value in found)]
 
-    flat = [*(p.detach() for p in state.params), *_detached(state.buffers), *inputs.tensors]
+    # Parameters keep their requires_grad flag, as in an eager forward under no_grad: ATen's
+    # kernel choices read it (matmul folds a batched input into one mm only where the weight
+    # requires grad), and eager's kernel is what gives eager's bits.
+    flat = [
+        *(p.detach().requires_grad_(p.requires_grad) for p in state.params),
+        *_detached(state.buffers),
+        *inputs.tensors,
+    ]
     gm = _trace(forward, flat, f"the forward of {type(model).__name__}", binding)
     spec, places = specs[-1]
     return Traced(gm, places, spec)
+
+
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+def _check_outputs(model: nn.Module, leaves: list[Any]) -> None:
+    """Refuse, before anything runs, an output a graph cannot return: only tensors and plain
+    constants come out of one (a key/value cache object does not)."""
+    for leaf in leaves:
+        if isinstance(leaf, (torch.Tensor, *_CONSTANTS)):
+            continue
+        kind = type(leaf).__name__
+        fix = "return tensors (and plain constants) only"
+        if "cache" in kind.lower() or "cache" in type(leaf).__module__:
+            fix = (
+                "it is a key/value cache: pass use_cache=False with the inputs (or set "
+                "model.config.use_cache = False) to evaluate without one"
+            )
+        raise TypeError(
+            f"sharedmem: {type(model).__name__} returns a {kind}, which a pooled forward "
+            f"cannot return; {fix}"
+        )
 
 
 def _detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -196,7 +235,7 @@ def _trace(
             # (lists, dicts) are real tensors inside the fake trace: graph constants.
             # Stack traces (a few percent of tracing time) let errors found in the graph name
             # the model's source line.
-            return make_fx(
+            gm = make_fx(
                 fn, tracing_mode="fake", _allow_non_fake_inputs=True, record_stack_traces=True
             )(*flat)
     except SharedMemError:
@@ -226,6 +265,21 @@ def _trace(
         ) from e
     except Exception as e:
         raise SharedMemError(f"sharedmem: could not trace {what}: {_first_line(e)}") from e
+    return gm
+
+
+def _grad_mode_ops(gm: GraphModule) -> GraphModule:
+    """Make the ops whose kernels read grad mode run with it on, as they were traced in the
+    train step (see ``ops.in_grad_mode``); a forward traced without grad keeps them as they
+    are, since they choose their inference kernels there, as in eager."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (op := in_grad_mode(node.target)) is not None:
+            node.target = op
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def _first_line(e: BaseException) -> str:

@@ -18,7 +18,14 @@ import torch
 from .._pool import BufferPool
 from .._pool.report import human_bytes
 
-__all__ = ["ChunkNeed", "Need", "budget_bytes", "check_budget", "machine_available_bytes"]
+__all__ = [
+    "ChunkNeed",
+    "Need",
+    "budget_bytes",
+    "check_budget",
+    "machine_available_bytes",
+    "parse_bytes",
+]
 
 FREE = "free"
 
@@ -47,12 +54,41 @@ class Need(NamedTuple):
         return ", ".join(f"{name} {human_bytes(n)}" for name, n in parts if n)
 
 
-def check_budget(budget: object, chunks: object) -> None:
-    """Refuse a budget that is neither bytes nor ``"free"``, a chunk count below 1, or both."""
-    if budget not in (None, FREE) and (
-        isinstance(budget, bool) or not isinstance(budget, int) or budget < 0
-    ):
-        raise ValueError(f"sharedmem: budget must be bytes (an int >= 0) or 'free', got {budget!r}")
+_SCALE = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(value: object, what: str = "budget") -> int:
+    """Bytes from an int >= 0 or a size as the command line writes it: ``"8G"``, ``"512M"``,
+    ``"64K"`` (powers of 1024; a trailing ``B``/``iB`` and ``_`` separators allowed).
+
+    >>> parse_bytes("8G"), parse_bytes("1_000"), parse_bytes(4096)
+    (8589934592, 1000, 4096)
+    """
+    if isinstance(value, str):
+        text = value.strip().lower().replace("_", "").removesuffix("ib").removesuffix("b")
+        scale = _SCALE.get(text[-1:], 1)
+        digits = text[:-1] if scale > 1 else text
+        if digits.isdigit():
+            return int(digits) * scale
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError(
+        f"sharedmem: {what} must be bytes: an int >= 0 or a size such as '8G', '512M' or "
+        f"'64K', got {value!r}"
+    )
+
+
+def check_budget(budget: object, chunks: object) -> int | str | None:
+    """The budget in bytes (or ``"free"``, or ``None``); refuse one that is neither bytes, a
+    size (``"8G"``) nor ``"free"``, a chunk count below 1, or both."""
+    if budget not in (None, FREE):
+        try:
+            budget = parse_bytes(budget)
+        except ValueError:
+            raise ValueError(
+                f"sharedmem: budget must be bytes (an int >= 0 or a size such as '8G') or "
+                f"'free', got {budget!r}"
+            ) from None
     if chunks is not None:
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"sharedmem: chunks must be an int >= 1, got {chunks!r}")
@@ -61,6 +97,7 @@ def check_budget(budget: object, chunks: object) -> None:
                 "sharedmem: give a budget (chunks chosen to fit it) or a fixed number of "
                 "chunks, not both"
             )
+    return budget
 
 
 def machine_available_bytes() -> int:

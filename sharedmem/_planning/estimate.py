@@ -22,9 +22,11 @@ from torch.func import functional_call
 
 from .._backends import backend_names
 from .._executor import PooledForward, PooledTrainStep
+from .._executor.calling import OwnLoss, model_arguments, plain_mapping
 from .._executor.distributed import bucket_bytes, unwrap
 from .._pool import BufferPool
 from .._pool.report import human_bytes
+from .budget import parse_bytes
 from .live import LiveBytes, round_for
 
 __all__ = ["CATEGORIES", "MemoryEstimate", "estimate"]
@@ -60,11 +62,11 @@ class MemoryEstimate:
     train_bytes: dict[str, int]
     module_activation_bytes: dict[str, int] = field(default_factory=dict)
 
-    def fits(self, budget: int, *, pooled: bool = True) -> bool:
-        """Whether a train step's peak (pooled unless ``pooled=False``) fits ``budget`` bytes."""
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError(f"sharedmem: budget must be bytes (an int >= 0), got {budget!r}")
-        return (self.train_peak_pooled if pooled else self.train_peak_eager) <= budget
+    def fits(self, budget: int | str, *, pooled: bool = True) -> bool:
+        """Whether a train step's peak (pooled unless ``pooled=False``) fits ``budget``: bytes,
+        or a size such as ``"8G"``."""
+        nbytes = parse_bytes(budget)
+        return (self.train_peak_pooled if pooled else self.train_peak_eager) <= nbytes
 
     def report(self) -> str:
         """A table a person reads: the peaks, the categories, the biggest modules."""
@@ -101,9 +103,12 @@ def estimate(
 
     Runs ``loss_fn(model(inputs), targets)``, its backward and ``optimizer.step()`` on fake
     tensors (no memory), counting every byte while it is alive, and plans the pooled step
-    for the same signature. Without ``loss_fn`` the loss is the model's output, summed if it
-    is not a scalar. Figures are for ``device`` (any device string, usable here or not:
-    ``"cuda"`` on a machine without a GPU works); the model and inputs stay where they are.
+    for the same signature. ``inputs`` are given to the model as a step gives them (a tuple
+    as positional arguments, a dict as keyword arguments, anything else as the one
+    argument). Without ``loss_fn`` the loss is the model's own (``out.loss``,
+    ``out["loss"]``, a scalar output), or the sum of a tensor output. Figures are for
+    ``device`` (any device string, usable here or not: ``"cuda"`` on a machine without a
+    GPU works); the model and inputs stay where they are.
 
     A ``DistributedDataParallel`` model is estimated for one rank: its module, plus the
     reducer's gradient buckets (the bytes of the parameters it reduces, held for the whole
@@ -115,7 +120,8 @@ def estimate(
 
     Args:
         model: the module (training mode is used for the train step, eval for evaluation).
-        inputs: the model's input (a tensor or a pytree of them); its shapes are what counts.
+        inputs: the model's input: a tensor, a tuple of positional or a dict of keyword
+            arguments (tensors or pytrees of them); their shapes are what counts.
         targets: the loss's second argument.
         loss_fn: ``loss_fn(output, targets)`` returns the scalar loss.
         optimizer: its class and hyperparameters give the state and step temporaries.
@@ -144,6 +150,7 @@ def estimate(
         )
     name = _device_name(device)
     rounding = round_for(name)
+    inputs = plain_mapping(inputs)
     # Under DistributedDataParallel: this rank's module, plus the reducer's gradient buckets
     # (a second copy of the gradients, held for the whole run; the pooled step keeps them in
     # its pool).
@@ -223,12 +230,11 @@ def _device_name(device: object) -> str:
 
 
 def _output_as_loss(output: Any, targets: Any) -> torch.Tensor:
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(
-            "sharedmem: without loss_fn the model must return one tensor (its sum is the "
-            "loss); pass loss_fn=... for other outputs"
-        )
-    return output if output.dim() == 0 else output.sum()
+    # The model's own loss, as a step without loss_fn takes it; for an estimate, any other
+    # tensor output stands for a loss by its sum.
+    if isinstance(output, torch.Tensor) and output.dim() > 0:
+        return output.sum()
+    return OwnLoss()(output, targets)
 
 
 def _real(tree: object) -> object:
@@ -289,7 +295,8 @@ def eager_train(
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                output = functional_call(model, state, (fake_in,))
+                args, kwargs = model_arguments(fake_in)
+                output = functional_call(model, state, args, kwargs)
                 loss = loss_fn(output, fake_targets)
             del output
             grads: tuple[torch.Tensor | None, ...] = ()
@@ -317,7 +324,8 @@ def _eager_eval(
         fake_in = pytree.tree_map(_faker(fake), inputs)
         live = LiveBytes(rounding, [*state.values(), *_tensors(fake_in)])
         with live, torch.no_grad():
-            output = functional_call(model, state, (fake_in,))
+            args, kwargs = model_arguments(fake_in)
+            output = functional_call(model, state, args, kwargs)
         return live.peak, _nbytes(_tensors(output), rounding)
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from .._errors import OutOfMemoryError
 from .._executor import PooledForward, PooledTrainStep
+from .._executor.calling import OwnLoss, call_model, check_targets, plain_mapping
 from .._pool import BufferPool
 from .._pool.report import human_bytes
 from .budget import ChunkNeed, Need, budget_bytes, check_budget
@@ -72,9 +73,8 @@ class Fitted:
         device: torch.device,
         pool: BufferPool | None,
     ) -> None:
-        check_budget(budget, chunks)
         self.model = model
-        self.budget: int | str | None = budget  # type: ignore[assignment]
+        self.budget: int | str | None = check_budget(budget, chunks)
         self.fixed: int | None = chunks  # type: ignore[assignment]
         self.splitter = splitter
         self.device = device
@@ -286,9 +286,10 @@ class FittedTrainStep(Fitted):
         self.reduction, self._assumed = reduction_of(step.loss_fn, reduction)
         self._weighted: PooledTrainStep | None = None
 
-    def __call__(self, inputs: object, targets: object) -> torch.Tensor:
+    def __call__(self, inputs: object, targets: object = None) -> torch.Tensor:
         """Run the batch in chunks, accumulate the gradients into ``p.grad``, return the
         whole batch's loss."""
+        inputs, targets = plain_mapping(inputs), self.step.check_targets(targets)
         chunks = self._count(inputs, targets, self._accumulating())
         if chunks == 1:
             return self.step(inputs, targets)
@@ -363,6 +364,7 @@ class FittedForward(Fitted):
 
     def __call__(self, inputs: object) -> Any:
         """Run the batch in chunks and return the outputs, concatenated."""
+        inputs = plain_mapping(inputs)
         chunks = self._count(inputs, None, False)
         if chunks == 1:
             return self.forward(inputs)
@@ -414,7 +416,7 @@ class FitStep(Fitted):
     def __init__(
         self,
         model: nn.Module,
-        loss_fn: Loss,
+        loss_fn: Loss | None,
         *,
         budget: object,
         chunks: object,
@@ -424,11 +426,13 @@ class FitStep(Fitted):
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
         super().__init__(model, budget, chunks, splitter, device, None)
-        self.loss_fn = loss_fn
-        self.reduction, self._assumed = reduction_of(loss_fn, reduction)
+        self.own_loss = loss_fn is None
+        self.loss_fn: Loss = OwnLoss() if loss_fn is None else loss_fn
+        self.reduction, self._assumed = reduction_of(self.loss_fn, reduction)
 
-    def __call__(self, inputs: object, targets: object) -> torch.Tensor:
+    def __call__(self, inputs: object, targets: object = None) -> torch.Tensor:
         """``loss_fn(model(inputs), targets).backward()`` in chunks; the batch's loss."""
+        inputs, targets = plain_mapping(inputs), check_targets(self.own_loss, targets)
         chunks = self._count(inputs, targets, self._accumulating())
         if chunks == 1:
             parts = [Chunk(inputs, targets, 1.0)]
@@ -438,7 +442,7 @@ class FitStep(Fitted):
         weigh = chunks > 1 and (self.reduction == "mean" or self.splitter.user_split is not None)
         total: torch.Tensor | None = None
         for part in parts:
-            loss = self.loss_fn(self.model(part.inputs), part.targets)
+            loss = self.loss_fn(call_model(self.model, part.inputs), part.targets)
             if weigh:
                 loss = loss * part.weight
             loss.backward()  # type: ignore[no-untyped-call]

@@ -23,7 +23,7 @@ __all__ = ["fit_step", "pooled_forward", "pooled_train_step"]
 
 def pooled_train_step(
     model: nn.Module,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     *,
     pool: BufferPool,
     plan: str = "liveness",
@@ -43,16 +43,32 @@ def pooled_train_step(
     batch-norm running statistics, draws random numbers (dropout) from the global generator
     in eager order, and returns the loss. Results equal eager PyTorch's.
 
+    ``inputs`` are given to the model as the ecosystem gives them: a ``tuple`` is unpacked
+    into positional arguments (``model(*inputs)``, as ``torch.jit.trace`` takes example
+    inputs), a ``dict`` (or any mapping, a tokenizer's ``BatchEncoding``) into keyword
+    arguments (``model(**inputs)``, as transformers' ``Trainer`` calls a model), anything
+    else is the one argument (a model that takes one tuple or dict is given ``(batch,)``).
+    Without ``loss_fn`` the loss is the model's own, ``out.loss``, ``out["loss"]`` or the
+    output itself when it is a scalar, and ``targets`` are left out: a transformers model
+    given ``labels`` among its inputs trains as it is, ``step({"input_ids": ids, "labels":
+    ids})``.
+
     The model is traced once per signature (the inputs' shapes, strides, dtypes and devices,
     training flags, the model's structure, autocast and the default dtype) into a joint
     forward+backward graph of ATen ops, which is planned and compiled to a straight-line
-    function; later calls of that signature only run it. Every intermediate an op allocates
-    is written into a named pool buffer through the op's ``out=`` form; views and in-place
-    ops stay what they are; ops without a native ``out=`` form allocate as in eager and are
-    counted in ``pool.stats()["unpooled_bytes_total"]``.
+    function; later calls of that signature only run it. The plan puts every intermediate
+    on one timeline with what runs beside the pool: an intermediate an op can write through
+    a native ``out=`` form (or a factory, a copy) goes into a named pool buffer where that
+    does not raise the step's peak, and is otherwise allocated as in eager; views and
+    in-place ops stay what they are; ops without a native ``out=`` form (convolution, layer
+    norm, attention on CPU) allocate as in eager, counted in
+    ``pool.stats()["unpooled_bytes_total"]``. The plan's peak is at most what the same graph
+    needs on the allocator alone; it can still differ from eager's by the graph's own
+    order and kernels (``sm.estimate`` gives both before running).
 
     The model may change between calls: a replaced, added or removed submodule, parameter or
-    buffer, or weights untied, is noticed on the next call, which traces anew. Lazy modules
+    buffer, weights untied, or a parameter cast to another dtype or moved to another device
+    (``model.double()``), is noticed on the next call, which traces anew. Lazy modules
     (``nn.LazyLinear``) must be initialized by one eager forward first.
 
     Returned tensors are never views into the pool: the loss and new gradients are fresh
@@ -96,7 +112,8 @@ def pooled_train_step(
 
     Args:
         model: the module; on the pool's device (``"emulated"`` pools take CPU modules).
-        loss_fn: ``loss_fn(model(inputs), targets)`` returns the scalar loss.
+        loss_fn: ``loss_fn(output, targets)`` returns the scalar loss; ``None``: the
+            model's own loss (no targets).
         pool: the ``BufferPool`` the activations live in.
         plan: ``"liveness"`` (intermediates whose lifetimes do not overlap share a buffer) or
             ``"per_node"`` (one buffer per intermediate; for comparison).
@@ -150,17 +167,22 @@ def pooled_forward(
 ) -> PooledForward | FittedForward:
     """Make a forward that runs ``model`` without autograd, with activations in ``pool``.
 
-    ``out = fwd(inputs)`` returns what ``with torch.no_grad(): model(inputs)`` returns, in
-    the module's current mode (``model.eval()`` for evaluation; in training mode dropout is
-    drawn and batch-norm statistics are updated, as in eager). Tracing, planning and unpooled
-    ops work as in ``pooled_train_step``; with the same ``pool`` and ``prefix`` an eval
-    forward fits into the train step's buffers and adds (almost) nothing to the pool.
+    ``out = fwd(inputs)`` returns what ``with torch.no_grad(): model(inputs)`` returns (a
+    tuple of inputs unpacked into positional arguments, a dict into keyword arguments, as in
+    ``pooled_train_step``), in the module's current mode (``model.eval()`` for evaluation;
+    in training mode dropout is drawn and batch-norm statistics are updated, as in eager).
+    Tracing, planning and unpooled ops work as in ``pooled_train_step``; with the same
+    ``pool`` and ``prefix`` an eval forward fits into the train step's buffers and adds
+    (almost) nothing to the pool.
 
     By default the outputs are fresh tensors, written directly (no copy) into new memory on
     each call, so they stay valid after later calls. With ``outputs_in_pool=True`` they are
     views into pool buffers instead: nothing is allocated, but the next call of any executor
     on the pool overwrites them; copy what you keep. Passing such a view to an executor on
     the pool (``fwd(fwd(x))``, features for a pooled head) is safe: the call copies it first.
+    Outputs are tensors and plain constants in any pytree (a transformers ``ModelOutput``);
+    an object a graph cannot return is refused before running with what to pass instead (a
+    key/value cache: ``use_cache=False``).
 
     Args:
         model: the module; on the pool's device (``"emulated"`` pools take CPU modules).
@@ -192,7 +214,7 @@ def pooled_forward(
 
 def fit_step(
     model: nn.Module,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     *,
     budget: int | str | None = None,
     chunks: int | None = None,
@@ -203,7 +225,8 @@ def fit_step(
     """Make an eager train step that runs each batch in as many chunks as fit a budget.
 
     ``loss = step(inputs, targets)`` does what
-    ``loss = loss_fn(model(inputs), targets); loss.backward()`` does, for a plain model
+    ``loss = loss_fn(model(inputs), targets); loss.backward()`` does (inputs and the
+    model's own loss without ``loss_fn`` as in ``sm.pooled_train_step``), for a plain model
     without a pool: gradients are added into ``p.grad`` as ``backward()`` adds them, and the
     loss returned is the whole batch's (detached). The batch runs as the fewest chunks whose
     peak, estimated on fake tensors before running (``sm.estimate``'s eager model), fits
@@ -213,7 +236,8 @@ def fit_step(
 
     Args:
         model: the module, in the mode it trains in.
-        loss_fn: ``loss_fn(model(inputs), targets)`` returns the scalar loss.
+        loss_fn: ``loss_fn(output, targets)`` returns the scalar loss; ``None``: the
+            model's own loss (no targets).
         budget: bytes, or ``"free"``.
         chunks: a fixed number of chunks instead of a budget (for reproducible runs).
         reduction: ``"mean"`` or ``"sum"``, where ``loss_fn`` does not say.
@@ -232,7 +256,7 @@ def fit_step(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(loss_fn):
+    if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"sharedmem: loss_fn must be callable, got {type(loss_fn).__name__}")
     if budget is None and chunks is None:
         raise ValueError("sharedmem: fit_step needs budget=... (bytes or 'free') or chunks=N")
