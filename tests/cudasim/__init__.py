@@ -27,10 +27,17 @@ from sharedmem import _backends
 from sharedmem._backends import cuda, cuda_api, cuda_owner, cuda_streams, cuda_torch_ops, cudart
 
 from .driver import SimulatedDriver, SimulatedRuntime
-from .memory import GRANULARITY, DeviceMemory
-from .torch_ops import SimulatedEvent, SimulatedStream, SimulatedTorchOps
+from .memory import GRANULARITY, MINIMUM_GRANULARITY, DeviceMemory
+from .torch_ops import Scheduler, SimulatedEvent, SimulatedStream, SimulatedTorchOps
 
-__all__ = ["GRANULARITY", "SimulatedCuda", "SimulatedEvent", "SimulatedStream"]
+__all__ = [
+    "GRANULARITY",
+    "MINIMUM_GRANULARITY",
+    "Scheduler",
+    "SimulatedCuda",
+    "SimulatedEvent",
+    "SimulatedStream",
+]
 
 
 def _forget_cached_choices() -> None:
@@ -54,20 +61,39 @@ class SimulatedCuda:
         pinned_capacity: bytes of host memory that can be registered (pinned) at once.
         device_count: how many devices there are (two by default, so that ``cuda:N`` code
             runs; they share one capacity, and the driver knows which device each byte is on).
+        seed: seeds the scheduler that may run queued work early; ``None``: never early.
+        peers: what ``cuDeviceCanAccessPeer`` answers for two different devices.
+        impossible: the code of a reservation larger than the address space
+            (``CUDA_ERROR_INVALID_VALUE`` or ``CUDA_ERROR_OUT_OF_MEMORY``; both documented).
     """
 
     def __init__(
-        self, *, capacity: int = 1 << 30, pinned_capacity: int = 1 << 34, device_count: int = 2
+        self,
+        *,
+        capacity: int = 1 << 30,
+        pinned_capacity: int = 1 << 34,
+        device_count: int = 2,
+        seed: int | None = None,
+        peers: bool = True,
+        impossible: str = "CUDA_ERROR_INVALID_VALUE",
     ) -> None:
         self.memory = DeviceMemory(capacity, pinned_capacity)
-        # Synchronizing (cuCtxSynchronize, cudaFree) runs what the streams have queued.
-        self.driver = SimulatedDriver(self.memory, device_count, self._flush)
-        self.runtime = SimulatedRuntime(self.memory, self.driver, self._flush)
-        self.ops = SimulatedTorchOps(self.memory, self.runtime, device_count)
+        self.memory.peers = peers
+        # Synchronizing a context (cuCtxSynchronize, cudaFree) runs what its device queued.
+        self.driver = SimulatedDriver(
+            self.memory, device_count, self._synchronize, impossible=impossible
+        )
+        self.runtime = SimulatedRuntime(self.memory, self.driver)
+        self.ops = SimulatedTorchOps(self.memory, self.runtime, device_count, Scheduler(seed))
         self._previous: tuple[Any, Any, bool] | None = None
 
-    def _flush(self) -> None:
-        self.ops.flush()
+    @property
+    def faults(self) -> list[str]:
+        """What went wrong on the devices (illegal addresses, memory freed under queued work)."""
+        return list(self.memory.faults)
+
+    def _synchronize(self, index: int) -> None:
+        self.ops.flush(index)
 
     def install(self) -> None:
         assert self._previous is None, "already installed"
