@@ -400,3 +400,14 @@ def test_the_benchmark_skips_without_a_gpu(tmp_path: Path) -> None:
     assert "skipped: no CUDA GPU" in done.stdout
     written = json.loads(out.read_text())
     assert written["rows"] == [] and written["meta"]["skipped"] == "no CUDA GPU"
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU path of tests/gpu_answers.py")
+def test_the_gpu_answers_script_says_it_needs_a_gpu() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu_answers.py")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2 and "no CUDA GPU here" in done.stderr
