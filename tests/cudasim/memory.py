@@ -135,10 +135,6 @@ class Mapping:
     handle: int
     access: dict[int, bool] = field(default_factory=dict)  # device -> may write (cuMemSetAccess)
 
-    @property
-    def accessible(self) -> bool:
-        return bool(self.access)
-
 
 @dataclass
 class Reservation:
