@@ -138,19 +138,22 @@ def _reset_torch_rng() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _cuda_stand_in(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """Tests marked ``cuda`` run on the CUDA stand-in where there is no GPU; after each, every
-    byte it handed out must be back (no leaked reservation, handle or registration)."""
+def _cuda_stand_in(request: pytest.FixtureRequest, seed: int) -> Iterator[Any]:
+    """Tests marked ``cuda`` run on the CUDA stand-in where there is no GPU, with queued work
+    run early where the test's seed says (the seed is printed when the test fails); after
+    each, every byte it handed out must be back (no leaked reservation, handle or
+    registration) and no device may have faulted."""
     if not (SIMULATED_CUDA and request.node.get_closest_marker("cuda")):
         yield None
         return
     from cudasim import SimulatedCuda
 
-    with SimulatedCuda() as cuda:
+    with SimulatedCuda(seed=seed) as cuda:
         yield cuda
     report = getattr(request.node, "rep_call", None)
     if report is None or report.passed:  # a failed test's traceback still holds its memories
         assert cuda.leaks() == [], cuda.leaks()
+        assert cuda.faults == [], cuda.faults
 
 
 @pytest.fixture

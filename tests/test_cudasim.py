@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +20,8 @@ from conftest import HAS_CUDA
 
 pytest.importorskip("cuda.bindings", reason="the CUDA stand-in needs cuda-python's modules")
 
-from cudasim import GRANULARITY, SimulatedCuda
+from cudasim import GRANULARITY, MINIMUM_GRANULARITY, SimulatedCuda
+from cudasim.memory import FRESH
 from cudasim.plants import PLANTS, plant
 
 from sharedmem._backends import cuda_api
@@ -26,6 +29,7 @@ from sharedmem._backends.cuda_vmm import access_desc, allocation_prop
 
 ROOT = Path(__file__).resolve().parent.parent
 G = GRANULARITY
+M = MINIMUM_GRANULARITY
 
 
 @pytest.fixture
@@ -57,13 +61,22 @@ def grant(sim: SimulatedCuda, address: int, size: int) -> str:
 # ---- the documented rules of the virtual memory calls ----------------------------------------
 
 
-def test_sizes_and_addresses_off_the_granularity_are_invalid_values(sim: SimulatedCuda) -> None:
+def test_sizes_and_addresses_off_the_minimum_granularity_are_invalid_values(
+    sim: SimulatedCuda,
+) -> None:
     driver = sim.driver
-    option = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-    assert driver.cuMemGetAllocationGranularity(allocation_prop(0), option)[1] == G
-    assert name(driver.cuMemAddressReserve(G + 1, 0, 0, 0)) == "CUDA_ERROR_INVALID_VALUE"
-    assert name(driver.cuMemAddressReserve(G, G // 2, 0, 0)) == "CUDA_ERROR_INVALID_VALUE"
-    assert name(driver.cuMemCreate(G // 2, allocation_prop(0), 0)) == "CUDA_ERROR_INVALID_VALUE"
+    flags = driver.CUmemAllocationGranularity_flags
+    recommended, minimum = (
+        flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+        flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+    )
+    assert driver.cuMemGetAllocationGranularity(allocation_prop(0), recommended)[1] == G
+    assert driver.cuMemGetAllocationGranularity(allocation_prop(0), int(minimum))[1] == M < G
+    assert name(driver.cuMemAddressReserve(M + 1, 0, 0, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemAddressReserve(M, M // 2, 0, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemCreate(M // 2, allocation_prop(0), 0)) == "CUDA_ERROR_INVALID_VALUE"
+    small = driver.cuMemCreate(M, allocation_prop(0), 0)  # the minimum is enough
+    assert name(small) == "CUDA_SUCCESS" and name(driver.cuMemRelease(small[1])) == "CUDA_SUCCESS"
     address, handle = reserve(sim, 4 * G), create(sim)
     assert name(driver.cuMemMap(address + 4096, G, 0, handle, 0)) == "CUDA_ERROR_INVALID_VALUE"
     assert name(driver.cuMemMap(address, G, 4096, handle, 0)) == "CUDA_ERROR_INVALID_VALUE"
@@ -154,6 +167,9 @@ def test_device_memory_runs_out_at_the_configured_capacity(sim: SimulatedCuda) -
         sim.ops.empty(1, 0)
     for handle in handles:
         driver.cuMemRelease(handle)
+    # Past the address space: either documented code, as the stand-in is told.
+    assert name(driver.cuMemAddressReserve(1 << 50, 0, 0, 0)) == "CUDA_ERROR_INVALID_VALUE"
+    driver.impossible = driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY
     assert name(driver.cuMemAddressReserve(1 << 50, 0, 0, 0)) == "CUDA_ERROR_OUT_OF_MEMORY"
     error, address = sim.runtime.cudaMalloc(100)
     assert name((error,)) == "cudaSuccess" and sim.memory.is_device_memory(int(address), 100)
@@ -188,9 +204,15 @@ def test_calls_check_the_types_and_fields_they_are_given(sim: SimulatedCuda) -> 
     with pytest.raises(TypeError):
         driver.cuMemCreate(G, object(), 0)  # not a CUmemAllocationProp
     with pytest.raises(TypeError):
-        driver.cuMemRelease(7)  # a handle must be a CUmemGenericAllocationHandle
-    with pytest.raises(TypeError):
-        driver.cuMemMap(1.5, G, 0, create(sim), 0)
+        driver.cuMemRelease("7")  # the bindings convert ints, not strings
+    # ... and convert as they do: a float address, an int handle, a float size.
+    assert name(driver.cuMemRelease(7)) == "CUDA_ERROR_INVALID_VALUE"  # no such handle
+    assert name(driver.cuMemMap(1.5, G, 0, create(sim), 0)) == "CUDA_ERROR_INVALID_VALUE"
+    assert name(driver.cuMemAddressReserve(float(G), 0, 0, 0)) == "CUDA_SUCCESS"
+    # Every value of a failed call is None, as the bindings return it.
+    assert driver.cuMemCreate(M // 2, allocation_prop(0), 0)[1] is None
+    assert driver.cuMemAddressReserve(M + 1, 0, 0, 0)[1] is None
+    assert sim.runtime.cudaMalloc(1 << 40)[1] is None
     prop = allocation_prop(0)
     prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
     assert name(driver.cuMemCreate(G, prop, 0)) == "CUDA_ERROR_INVALID_VALUE"
@@ -207,6 +229,7 @@ def test_calls_check_the_types_and_fields_they_are_given(sim: SimulatedCuda) -> 
     try:
         assert name(driver.cuMemCreate(G, allocation_prop(0), 0)) == "CUDA_ERROR_INVALID_CONTEXT"
         assert name(driver.cuCtxSynchronize()) == "CUDA_ERROR_INVALID_CONTEXT"
+        assert driver.cuMemGetInfo()[1:] == (None, None)
     finally:
         driver.cuCtxPushCurrent(driver.cuDevicePrimaryCtxRetain(driver.cuDeviceGet(0)[1])[1])
 
@@ -220,15 +243,148 @@ def test_a_copy_on_a_side_stream_runs_when_its_event_is_waited_for(sim: Simulate
     event.record(side)
     ops.copy_on(side, dst, src * 2)  # queued after the event
     assert dst.tolist() == [0] * 4 and not event.query()  # as late as CUDA allows
-    current.wait_event(event)
+    current.wait_event(event)  # the current stream's waits are followed by use: they run
     assert dst.tolist() == [1] * 4 and event.query() and not side.query()
-    ops.copy_on(current, dst, src * 3)  # the current stream runs its work at once
-    assert dst.tolist() == [3] * 4
-    ops.synchronize(0)
-    assert dst.tolist() == [2] * 4 and side.query()
+    ops.copy_on(current, dst, src * 3)  # the current stream runs late too
+    assert dst.tolist() == [1] * 4
+    ops.synchronize(0)  # in order per stream, in no order between streams
+    assert dst.tolist() in ([2] * 4, [3] * 4) and side.query() and current.query()
     assert ops.own_stream(side.cuda_stream, 0) is side
     with pytest.raises(ValueError, match="no stream has the handle"):
         ops.own_stream(12345, 0)
+
+
+def test_a_wait_on_a_side_stream_is_a_barrier_there_not_a_wait_of_the_host(
+    sim: SimulatedCuda,
+) -> None:
+    ops = sim.ops
+    first, second = ops.new_stream(0), ops.new_stream(0)
+    middle, dst = torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
+    ops.copy_on(first, middle, torch.full((4,), 7, dtype=torch.uint8))
+    second.wait_stream(first)
+    ops.copy_on(second, dst, middle)  # must read the 7s, whenever it runs
+    assert middle.tolist() == [0] * 4 and first.pending() == 1  # nothing ran yet
+    second.synchronize()
+    assert dst.tolist() == [7] * 4 and first.query()
+
+
+def test_the_scheduler_runs_queued_work_early_as_its_seed_says() -> None:
+    from cudasim import Scheduler
+
+    def ran_early(seed: int | None) -> list[int]:
+        with SimulatedCuda(seed=seed) as cuda:
+            ops, done = cuda.ops, []
+            stream = ops.new_stream(0)
+            for _ in range(40):
+                ops.copy_on(
+                    stream, torch.zeros(1, dtype=torch.uint8), torch.ones(1, dtype=torch.uint8)
+                )
+                done.append(stream.done)
+            ops.synchronize(0)
+            return done
+
+    assert ran_early(None) == [0] * 40  # as late as CUDA allows
+    assert ran_early(5) == ran_early(5) != [0] * 40  # the same seed, the same schedule
+    assert "seed=5" in repr(Scheduler(5))
+
+
+def test_fresh_device_memory_is_not_cleared(sim: SimulatedCuda) -> None:
+    error, address = sim.runtime.cudaMalloc(4096)
+    assert name((error,)) == "cudaSuccess"
+    assert torch.equal(sim.ops.empty(4096, 0), torch.full((4096,), FRESH, dtype=torch.uint8))
+    sim.runtime.cudaFree(address)
+    start, handle = reserve(sim, G), create(sim)
+    sim.driver.cuMemMap(start, G, 0, handle, 0)
+    assert grant(sim, start, G) == "CUDA_SUCCESS"
+    import ctypes
+
+    assert ctypes.string_at(start, 64) == bytes([FRESH]) * 64
+    sim.driver.cuMemUnmap(start, G)
+    sim.driver.cuMemRelease(handle)
+    sim.driver.cuMemAddressFree(start, G)
+
+
+def test_vmm_access_is_per_device_and_a_fault_is_sticky(sim: SimulatedCuda) -> None:
+    driver, ops = sim.driver, sim.ops
+    start, handle = reserve(sim, G), create(sim)
+    driver.cuMemMap(start, G, 0, handle, 0)
+    assert grant(sim, start, G) == "CUDA_SUCCESS"  # device 0 only
+    assert sim.memory.is_device_memory(start, G, 0)
+    assert not sim.memory.is_device_memory(start, G, 1)
+    with pytest.raises(RuntimeError, match="accessible from cuda:1"):
+        ops.wrap(SimpleNamespace(__cuda_array_interface__=window(start, G)), 1)
+    view = ops.wrap(SimpleNamespace(__cuda_array_interface__=window(start, G)), 0)
+    ops.copy_on(ops.new_stream(1), torch.zeros(16, dtype=torch.uint8), view[:16])
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        ops.synchronize(1)
+    assert "without access from cuda:1" in sim.faults[0]
+    ops.synchronize(0)  # the other device is fine
+    push = driver.cuCtxPushCurrent(driver.cuDevicePrimaryCtxRetain(driver.cuDeviceGet(1)[1])[1])
+    assert name(push) == "CUDA_SUCCESS"
+    try:  # every later call of the faulted context fails
+        assert name(driver.cuMemGetInfo()) == "CUDA_ERROR_ILLEGAL_ADDRESS"
+        assert name(driver.cuCtxSynchronize()) == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    finally:
+        driver.cuCtxPopCurrent()
+    sim.memory.faults.clear()
+    sim.memory.faulted.clear()
+    del view
+    driver.cuMemUnmap(start, G)
+    driver.cuMemRelease(handle)
+    driver.cuMemAddressFree(start, G)
+
+
+def test_memory_given_back_under_queued_work_is_a_fault(sim: SimulatedCuda) -> None:
+    _, address = sim.runtime.cudaMalloc(4096)
+    ops = sim.ops
+    view = ops.wrap(SimpleNamespace(__cuda_array_interface__=window(address, 4096)), 0)
+    ops.copy_on(ops.current_stream(0), view, torch.ones(4096, dtype=torch.uint8))
+    del view
+    assert sim.runtime.free(address, 0)  # without the wait cudaFree would have made
+    assert "freeing of 4,096 bytes" in sim.faults[0] and "still touches it" in sim.faults[0]
+    sim.memory.faults.clear()
+    sim.memory.faulted.clear()
+    ops.flush()  # the queued copy is skipped: its pages are gone (a fault, not a crash)
+    assert len(sim.faults) == 1
+    sim.memory.faults.clear()
+    sim.memory.faulted.clear()
+
+
+def test_a_global_capture_on_any_thread_refuses_unsafe_calls_and_is_invalidated(
+    sim: SimulatedCuda,
+) -> None:
+    ops, driver = sim.ops, sim.driver
+    for mode, refused in (("global", True), ("thread_local", False), ("relaxed", False)):
+        handles: list[int] = []
+
+        def begin(mode: str = mode, handles: list[int] = handles) -> None:
+            handles.append(ops.begin_capture(None, mode))
+
+        thread = threading.Thread(target=begin)
+        thread.start()
+        thread.join()
+        assert ops.capturing() is refused
+        answer = name(driver.cuMemCreate(G, allocation_prop(0), 0))
+        assert (answer == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED") is refused, mode
+        if not refused:
+            driver.cuMemRelease(sim.memory.next_handle - 1)
+        assert ops.end_capture(handles[0]) is not refused  # the unsafe call broke it
+    handle = ops.begin_capture(None, "thread_local")  # on this thread: refused here
+    assert name(driver.cuCtxSynchronize()) == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"
+    assert name(sim.runtime.cudaMalloc(16)) == "cudaErrorStreamCaptureUnsupported"
+    with pytest.raises(RuntimeError, match="capturing"):
+        ops.synchronize(0)
+    assert not ops.end_capture(handle)
+
+
+def window(address: int, nbytes: int) -> dict[str, object]:
+    return {
+        "shape": (nbytes,),
+        "typestr": "|u1",
+        "data": (address, False),
+        "strides": None,
+        "version": 3,
+    }
 
 
 # ---- planted bugs ------------------------------------------------------------------------------
@@ -247,7 +403,7 @@ def test_every_planted_bug_fails_a_cuda_test() -> None:
         each: subprocess.Popen(
             [
                 *(sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"),
-                *("-p", "cudasim.plants", "tests/test_cuda.py", "-k", spec.catches),
+                *("-p", "cudasim.plants", spec.where, "-k", spec.catches),
             ],
             cwd=ROOT,
             env={**env, "CUDASIM_PLANT": each},

@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from conftest import requires_cuda
 
 import sharedmem as sm
 
@@ -141,3 +142,26 @@ def test_cuda_in_a_fork_child_of_a_cuda_parent_says_why_it_cannot_run(
 
     assert _in_child(child) == 0
     assert not cuda_api._forked_after_use  # the parent itself is unaffected
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_in_a_fork_child_of_a_parent_that_used_only_pytorch_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The parent initialised CUDA through PyTorch alone (no sharedmem memory): the child is as
+    # unable to use CUDA, and must hear why, not a generic driver error.
+    from sharedmem._backends import cuda_api
+    from sharedmem._backends.cuda_torch_ops import ops
+
+    monkeypatch.setattr(cuda_api, "_used", False)
+    ops().empty(16, 0)  # PyTorch's CUDA is initialised
+
+    def child() -> bool:
+        try:
+            sm.SyncedMemory(16, device="cuda").mutable_device_data()
+        except sm.SharedMemError as error:
+            return "a CUDA context does not survive fork" in str(error) and "spawn" in str(error)
+        return False
+
+    assert _in_child(child) == 0

@@ -25,11 +25,13 @@ __all__ = [
     "DeviceOutOfMemory",
     "attribute",
     "bindings",
+    "can_access_peer",
     "check",
     "device_index",
     "error_name",
     "install_bindings",
     "on_device",
+    "refuse_in_capture",
     "vmm_supported",
 ]
 
@@ -52,6 +54,24 @@ _SETUP_NAMES = frozenset(
         "CUDA_ERROR_NOT_SUPPORTED",
         "cudaErrorNotSupported",
     }
+)
+# The codes of a call that a stream capture forbids (and that invalidated the capture): on a GPU
+# a capture on another thread is only seen this way, after the fact (see refuse_in_capture).
+_CAPTURE_NAMES = frozenset(
+    {
+        "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+        "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+        "cudaErrorStreamCaptureUnsupported",
+        "cudaErrorStreamCaptureInvalidated",
+        "cudaErrorStreamCaptureImplicit",
+    }
+)
+# What to do when memory would grow (or go back) during a capture.
+CAPTURE_ADVICE = (
+    "Grow before capturing: run the step once before torch.cuda.graph (a warm-up), or reserve "
+    "the memory by making each buffer its largest size and accessing it once before the "
+    "capture; inside a capture sharedmem only reuses memory it already holds"
 )
 # What to do when cuda-python and the driver do not match.
 MATCH_ADVICE = (
@@ -139,6 +159,11 @@ def check(result: tuple[Any, ...], what: str) -> Any:
         name = error_name(error)
         if name in _OOM_NAMES:
             raise DeviceOutOfMemory(f"{what}: {name}")
+        if name in _CAPTURE_NAMES:
+            raise SharedMemError(
+                f"sharedmem: {what} failed with {name}: a CUDA graph is being captured (on this "
+                f"thread or another), and the capture forbids it. {CAPTURE_ADVICE}."
+            )
         if name in _SETUP_NAMES:
             raise SharedMemError(
                 f"sharedmem: {what} failed with {name} ({int(error)}): this CUDA installation "
@@ -192,6 +217,28 @@ def attribute(index: int, name: str) -> int:
     return int(check(driver.cuDeviceGetAttribute(which, _device_handle(index)), name))
 
 
+def can_access_peer(index: int, peer: int) -> bool:
+    """Whether device ``index`` can access memory on device ``peer`` (cuDeviceCanAccessPeer)."""
+    driver = bindings().driver
+    found = driver.cuDeviceCanAccessPeer(_device_handle(index), _device_handle(peer))
+    return bool(check(found, f"cuDeviceCanAccessPeer({index}, {peer})"))
+
+
+def refuse_in_capture(action: str, device: str) -> None:
+    """Raise before ``action`` (growing, pinning, giving back) while a CUDA graph is being
+    captured: allocating, mapping or registering memory and synchronizing are not allowed
+    then, and the first such call would invalidate the capture (CUDA_ERROR_STREAM_CAPTURE_
+    UNSUPPORTED). Seen here: a capture on any stream of any thread on the stand-in; on a GPU,
+    the current stream of this thread (PyTorch has no query for others; a capture elsewhere is
+    seen by the driver's answer, which ``check`` turns into the same advice)."""
+    if ops().capturing():
+        raise SharedMemError(
+            f"sharedmem: {action} on {device} is refused during a CUDA graph capture: it "
+            f"would allocate, map or pin memory (or synchronize), which breaks the capture. "
+            f"{CAPTURE_ADVICE}."
+        )
+
+
 def vmm_supported(index: int) -> bool:
     """Whether device ``index`` supports CUDA virtual memory management (cuMemCreate/Map)."""
     return attribute(index, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED") != 0
@@ -205,7 +252,7 @@ def on_device(index: int) -> Iterator[None]:
     current one and nothing has used it yet; pushing the primary context does, and the
     runtime API (cuda-python's included) picks up the context current to the thread.
     """
-    if _forked_after_use:
+    if _forked_after_use or ops().forked_after_init():
         raise SharedMemError(
             "sharedmem: this process was made by fork after its parent had used CUDA, and a "
             "CUDA context does not survive fork: its CUDA memories cannot be used here. Use the "

@@ -37,7 +37,7 @@ from typing import TypeVar
 import torch
 
 from .._errors import OutOfMemoryError, SharedMemError
-from .cuda_api import DeviceOutOfMemory, device_index
+from .cuda_api import DeviceOutOfMemory, device_index, refuse_in_capture
 from .cuda_torch_ops import ops
 
 __all__ = ["Meter", "Owner", "out_of_memory", "reclaim", "retry_on_oom", "run_pending"]
@@ -186,8 +186,10 @@ def retry_on_oom(attempt: Callable[[], T], requested: int, device: str) -> T:
     """``attempt()``; when it runs out of memory, empty PyTorch's cache once and try again.
 
     Raises ``OutOfMemoryError`` when the second attempt fails too. ``attempt`` must leave
-    nothing allocated when it fails.
+    nothing allocated when it fails. During a CUDA graph capture nothing is attempted: a
+    ``SharedMemError`` says to grow before the capture.
     """
+    refuse_in_capture(f"growing to {requested:,} bytes", device)
     run_pending()
     try:
         return attempt()

@@ -27,8 +27,9 @@ Trade-offs:
 * Registered pages cannot be swapped out: pinning much more than the working set starves the
   rest of the system, as any pinned allocation does. A growth past the machine's memory and
   swap is refused before anything is registered.
-* The device is synchronized before anything is unregistered, so no copy still running can
-  read or write pages that are no longer pinned (see ``cuda_owner`` for why no narrower wait).
+* Every device is synchronized before anything is unregistered, so no copy still running can
+  read or write pages that are no longer pinned (see ``cuda_owner`` for why no narrower wait;
+  the registration is portable, so any device's copy may use the pages).
 * A growth past the reserved range moves the block, as on the plain reserved range: views
   taken before keep the old bytes. The old range is unregistered when the old block is
   collected (at once, normally), so it is pageable from then on; it is unmapped with its last
@@ -44,7 +45,7 @@ import torch
 
 from .._errors import OutOfMemoryError, SharedMemError
 from ._base import Block, MovingBackend, rewindow
-from .cuda_api import DeviceOutOfMemory, bindings, check, on_device
+from .cuda_api import DeviceOutOfMemory, bindings, check, on_device, refuse_in_capture
 from .cuda_owner import Meter, reclaim
 from .cuda_torch_ops import ops
 from .host import ReservedBackend, check_committable, window
@@ -133,6 +134,7 @@ class _Pins:
     def pin(self, end: int) -> None:
         """Register the range up to ``end``; raises ``OutOfMemoryError`` when refused."""
         if end > self.end:
+            refuse_in_capture(f"pinning {end:,} bytes of host memory", f"cuda:{self.index}")
             try:
                 self._register(self.end, end - self.end)
             except DeviceOutOfMemory as error:
@@ -142,8 +144,12 @@ class _Pins:
         """Unregister everything at or beyond ``end``; the part below stays registered."""
         if end >= self.end:
             return
+        refuse_in_capture(f"unpinning host memory beyond {end:,} bytes", f"cuda:{self.index}")
         kept, dropped, cut = split_ranges(self.ranges, end)
-        ops().synchronize(self.index)  # no copy may still use the pages we unpin
+        # No copy may still use the pages we unpin. The registration is portable: a copy of
+        # any device may use them, so every device is waited for, not only this one.
+        for device in range(ops().device_count()):
+            ops().synchronize(device)
         for offset, size in dropped:
             _unregister_range(self.index, self.address + offset)
             self.ranges.remove((offset, size))
@@ -164,6 +170,7 @@ class _Pins:
 
 
 def _pinned_tensor(nbytes: int, meter: Meter, index: int) -> torch.Tensor:
+    refuse_in_capture(f"pinning {nbytes:,} bytes of host memory", f"cuda:{index}")
     try:
         return ops().pinned_empty(nbytes)
     except RuntimeError as error:

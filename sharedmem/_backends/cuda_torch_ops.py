@@ -98,6 +98,11 @@ class TorchCudaOps:
             return False
         return torch.cuda.is_current_stream_capturing()
 
+    def forked_after_init(self) -> bool:
+        """Whether this process is a fork child of one that had initialised CUDA (through
+        PyTorch or anything else PyTorch saw): no CUDA call can work here."""
+        return bool(torch.cuda._is_in_bad_fork())
+
     def mem_get_info(self, index: int) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(index)
         return int(free), int(total)

@@ -19,9 +19,15 @@ Releasing is deferred to the last view (see ``cuda_owner``), so a view that outl
 ``release`` stays valid.
 
 Only an out-of-memory answer of ``cuMemAddressReserve`` or ``cuMemCreate`` counts as running
-out of memory (the cache is emptied and the call retried, then ``OutOfMemoryError``); any
-other error is a ``SharedMemError`` that names it. A trial reservation when the backend is
-built makes sure the driver serves these calls before ``vmm`` is chosen.
+out of memory (the cache is emptied and the call retried, then ``OutOfMemoryError``), and an
+invalid-value answer of ``cuMemAddressReserve``, which the reference documents beside it for a
+range that cannot be had; any other error is a ``SharedMemError`` that names it. A trial
+reservation when the backend is built makes sure the driver serves these calls before ``vmm``
+is chosen.
+
+Access is granted per device (``cuMemSetAccess``): to the owning device and to every device
+that ``cuDeviceCanAccessPeer`` says can reach it, so a peer copy works as it does with
+``cudaMalloc`` memory; any other device faults on the first touch, as on a GPU.
 
 Trade-offs: capacities are multiples of the granularity (2 MiB on current GPUs), so a
 100-byte buffer holds 2 MiB; many tiny buffers are better served by ``backend="torch"``.
@@ -36,12 +42,32 @@ from typing import Any
 
 from .._errors import SharedMemError
 from ._base import Block, rewindow, round_up
-from .cuda_api import DeviceOutOfMemory, bindings, check, device_index, error_name, on_device
+from .cuda_api import (
+    DeviceOutOfMemory,
+    bindings,
+    can_access_peer,
+    check,
+    device_index,
+    error_name,
+    on_device,
+    refuse_in_capture,
+)
 from .cuda_owner import Meter, Owner, retry_on_oom
 from .cuda_streams import CudaBackend
 from .cuda_torch_ops import ops
 
-__all__ = ["VmmBackend", "access_desc", "allocation_prop", "reservation_sizes", "reserve_range"]
+__all__ = [
+    "VmmBackend",
+    "access_desc",
+    "accessors",
+    "allocation_prop",
+    "reservation_sizes",
+    "reserve_range",
+]
+
+# A reservation refused with either code may be the address space running out: the reference
+# documents both for cuMemAddressReserve and does not say which an impossible size gets.
+_RESERVE_FULL = frozenset({"CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_INVALID_VALUE"})
 
 
 def allocation_prop(index: int) -> Any:
@@ -65,6 +91,14 @@ def access_desc(index: int) -> Any:
     return desc
 
 
+def accessors(index: int) -> list[int]:
+    """The devices given access to device ``index``'s memory: itself, then every device that
+    ``cuDeviceCanAccessPeer`` says can reach it (VMM access is per device: a device not
+    granted faults on the first touch, where ``cudaMalloc`` memory would serve a peer copy)."""
+    count = ops().device_count()
+    return [index, *(d for d in range(count) if d != index and can_access_peer(d, index))]
+
+
 def reservation_sizes(wanted: int, needed: int, granularity: int) -> list[int]:
     """The address range sizes to try, largest first: ``wanted``, halving down to ``needed``.
 
@@ -79,8 +113,11 @@ def reservation_sizes(wanted: int, needed: int, granularity: int) -> list[int]:
 def reserve_range(index: int, sizes: list[int], alignment: int) -> tuple[int, int]:
     """Reserve the first of ``sizes`` that the driver grants: ``(address, size)``.
 
-    Only an out-of-memory answer moves on to the next (smaller) size, and raises
-    ``DeviceOutOfMemory`` after the last; any other error raises ``SharedMemError``.
+    An answer that may mean a full address space (``CUDA_ERROR_OUT_OF_MEMORY`` or
+    ``CUDA_ERROR_INVALID_VALUE``) moves on to the next (smaller) size, and raises
+    ``DeviceOutOfMemory`` after the last; any other error raises ``SharedMemError``. The
+    sizes and alignment are multiples of the granularity (the trial reservation when the
+    backend is built proves the driver takes them), so an invalid value here is the size.
     """
     driver = bindings().driver
     error: Any = None
@@ -89,7 +126,7 @@ def reserve_range(index: int, sizes: list[int], alignment: int) -> tuple[int, in
             error, address = driver.cuMemAddressReserve(size, alignment, 0, 0)
             if int(error) == 0:
                 return int(address), size
-            if error_name(error) != "CUDA_ERROR_OUT_OF_MEMORY":
+            if error_name(error) not in _RESERVE_FULL:
                 check((error,), f"cuMemAddressReserve({size:,})")
     raise DeviceOutOfMemory(f"cuMemAddressReserve({sizes[-1]:,}) failed with {error_name(error)}")
 
@@ -141,7 +178,8 @@ class _Reservation(Owner):
                     check(driver.cuMemMap(at, self.chunk, 0, created[-1], 0), "cuMemMap")
                     mapped += 1
                 start, size = self.address + first * self.chunk, (last - first) * self.chunk
-                check(driver.cuMemSetAccess(start, size, [self.access], 1), "cuMemSetAccess")
+                grant = driver.cuMemSetAccess(start, size, self.access, len(self.access))
+                check(grant, "cuMemSetAccess")
             except BaseException:
                 # Undo everything; the first error is the one to report, so these are not
                 # checked.
@@ -200,7 +238,7 @@ class VmmBackend(CudaBackend):
         driver = bindings().driver
         index = device_index(device)
         self.prop = allocation_prop(index)
-        self.access = access_desc(index)
+        self.access = [access_desc(each) for each in accessors(index)]
         recommended = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
         with on_device(index):
             granule = int(
@@ -271,6 +309,7 @@ class VmmBackend(CudaBackend):
     def _shrink(self, block: Block, nbytes: int, keep: int) -> tuple[Block, int]:
         reservation = block.handle
         assert isinstance(reservation, _Reservation), block
+        refuse_in_capture(f"shrinking to {nbytes:,} bytes", self.memory_name)
         reservation.unmap(nbytes)
         return Block(rewindow(block.tensor, reservation.tensor(nbytes)), nbytes, reservation), 0
 

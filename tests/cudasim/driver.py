@@ -1,11 +1,32 @@
 """The part of ``cuda.bindings.driver`` and ``runtime`` that sharedmem calls, simulated.
 
-Every call answers as cuda-python does (a tuple that starts with the real ``CUresult`` or
-``cudaError_t``) and checks what it is given as the real bindings and driver do: the types
-(``TypeError`` for an argument the bindings would not accept), the structs' fields and enums,
-the granularity, and the documented rules of the virtual memory calls. Everything else in the
-real modules (enums, structs, constants) is passed through, and a function this module does
-not simulate raises, so a backend that starts calling one is found out here.
+Every call answers as cuda-python 13.4 does: a tuple that starts with the real ``CUresult`` or
+``cudaError_t``, with ``None`` for every value when the call fails. Arguments are converted as
+the bindings convert them (an address or a size may be a float or any int-like object, a handle
+or a device a plain int; a string is a ``TypeError``), and checked as the driver checks them:
+the structs' fields and enums, the minimum granularity, and the documented rules of the virtual
+memory calls. Everything else in the real modules (enums, structs, constants) is passed through,
+and a function this module does not simulate raises, so a backend that starts calling one is
+found out here.
+
+Rules kept, and where they are written (the CUDA Driver API reference, as shipped in the
+cuda-bindings 13.4.4 docstrings, and the "API synchronization behavior" page):
+
+* ``cuCtxSynchronize`` waits for the current context's device only; ``cudaFree`` synchronizes
+  the current device before it frees (API synchronization behavior).
+* ``cuMemSetAccess`` grants access per device (its ``desc`` list names the locations); the
+  pages are usable from the devices listed only (checked when queued work runs, and when a
+  backend wraps them for a device).
+* ``cuMemAddressReserve``, ``cuMemCreate``, ``cuMemMap``: sizes and addresses are multiples of
+  the *minimum* granularity; an impossible reservation answers ``CUDA_ERROR_INVALID_VALUE`` or
+  ``CUDA_ERROR_OUT_OF_MEMORY`` (both documented; which one is not; ``impossible`` picks).
+* ``cuMemCreate`` / ``cudaMalloc`` memory is not cleared: it holds the byte ``FRESH``.
+* During a global-mode stream capture on any thread (``SimulatedTorchOps.begin_capture``),
+  the calls the CUDA Programming Guide lists as unsafe (``cudaMalloc``, ``cudaFree``,
+  ``cuMemCreate``, ``cuMemMap``, ``cuMemHostRegister``, ``cuCtxSynchronize``) answer
+  ``CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`` and invalidate the capture.
+* A device that faulted (an illegal address) fails every later call of its context with
+  ``CUDA_ERROR_ILLEGAL_ADDRESS``: the error is sticky.
 """
 
 from __future__ import annotations
@@ -19,11 +40,13 @@ from cuda.bindings import runtime as real_runtime
 
 from .memory import (
     GRANULARITY,
+    MINIMUM_GRANULARITY,
     PAGE,
     DeviceMemory,
     Handle,
     Mapping,
     Reservation,
+    fill_fresh,
     make_accessible,
     make_inaccessible,
     make_read_only,
@@ -34,21 +57,34 @@ E = real_runtime.cudaError_t
 OK = R.CUDA_SUCCESS
 INVALID = R.CUDA_ERROR_INVALID_VALUE
 OOM = R.CUDA_ERROR_OUT_OF_MEMORY
+CAPTURE = R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
 VERSION = 13040  # the CUDA version the simulated driver and runtime report
 _CONTEXT = 0x1000  # device N's primary context is CUcontext(_CONTEXT + N)
+_MIN = MINIMUM_GRANULARITY
 
 
 def _int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"cudasim: {what} must be an int, got {type(value).__name__}")
-    return value
+    """A number as the bindings take a ``size_t`` / ``int``: anything int-like, floats too."""
+    if isinstance(value, str | bytes) or not hasattr(value, "__int__"):
+        raise TypeError(f"cudasim: {what} must be a number, got {type(value).__name__}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _as(value: object, kind: type, what: str) -> int:
+    """An argument the bindings convert to ``kind`` (``CUdeviceptr``, a handle, a device):
+    one of those, ``None`` (0) or an int-like value; anything else is a ``TypeError``."""
+    if value is None:
+        return 0
+    if isinstance(value, kind):
+        return int(value)  # type: ignore[call-overload]
+    try:
+        return int(kind(value))
+    except TypeError:
+        raise TypeError(f"cudasim: {what} must be {kind.__name__} or an int") from None
 
 
 def _pointer(value: object, what: str = "ptr") -> int:
-    """An address as the bindings take it: an int or a ``CUdeviceptr``."""
-    if isinstance(value, real_driver.CUdeviceptr):
-        return int(value)
-    return _int(value, what)
+    return _as(value, real_driver.CUdeviceptr, what)
 
 
 def _of(value: object, kind: type, what: str) -> Any:
@@ -58,12 +94,28 @@ def _of(value: object, kind: type, what: str) -> Any:
 
 
 class SimulatedDriver:
-    """``cuda.bindings.driver`` for one simulated device (or more, sharing one memory)."""
+    """``cuda.bindings.driver`` for the simulated devices (sharing one memory).
 
-    def __init__(self, memory: DeviceMemory, device_count: int, flush: Callable[[], None]):
+    Args:
+        memory: what the driver keeps.
+        device_count: how many devices answer.
+        synchronize: runs what device N's streams have queued (``cuCtxSynchronize``).
+        impossible: the code an impossible reservation gets (a size beyond the address
+            space): ``CUDA_ERROR_INVALID_VALUE`` or ``CUDA_ERROR_OUT_OF_MEMORY``.
+    """
+
+    def __init__(
+        self,
+        memory: DeviceMemory,
+        device_count: int,
+        synchronize: Callable[[int], None],
+        *,
+        impossible: str = "CUDA_ERROR_INVALID_VALUE",
+    ) -> None:
         self.memory = memory
         self.device_count = device_count
-        self._flush = flush  # runs every queued stream operation (cuCtxSynchronize)
+        self._synchronize = synchronize
+        self.impossible = getattr(R, impossible)
         self._contexts = threading.local()
 
     def __getattr__(self, name: str) -> Any:
@@ -87,17 +139,33 @@ class SimulatedDriver:
         """The device of the context current to this thread (0 when none is)."""
         return self._stack()[-1] - _CONTEXT if self._stack() else 0
 
+    def refused(self) -> Any:
+        """The error of a call in the current context: a sticky fault, or none (``None``)."""
+        if self._current() and self.current_device() in self.memory.faulted:
+            return R.CUDA_ERROR_ILLEGAL_ADDRESS
+        if not self._current():
+            return R.CUDA_ERROR_INVALID_CONTEXT
+        return None
+
+    def unsafe_in_capture(self) -> bool:
+        """Whether a capture forbids an unsafe call now; if so, the call invalidates it."""
+        return self.memory.capture_refuses(threading.get_ident())
+
     def cuInit(self, flags: int) -> tuple[Any]:
         return (OK if _int(flags, "flags") == 0 else INVALID,)
+
+    def _device(self, dev: object, what: str = "dev") -> int:
+        return _as(dev, real_driver.CUdevice, what)
 
     def cuDeviceGet(self, ordinal: int) -> tuple[Any, Any]:
         if not 0 <= _int(ordinal, "ordinal") < self.device_count:
             return R.CUDA_ERROR_INVALID_DEVICE, None
         return OK, real_driver.CUdevice(ordinal)
 
-    def cuDeviceGetAttribute(self, attrib: Any, dev: Any) -> tuple[Any, int]:
+    def cuDeviceGetAttribute(self, attrib: Any, dev: Any) -> tuple[Any, int | None]:
         _of(attrib, real_driver.CUdevice_attribute, "attrib")
-        _of(dev, real_driver.CUdevice, "dev")
+        if not 0 <= self._device(dev) < self.device_count:
+            return R.CUDA_ERROR_INVALID_DEVICE, None
         names = real_driver.CUdevice_attribute
         supported = (
             names.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
@@ -105,12 +173,20 @@ class SimulatedDriver:
         )
         return OK, int(attrib in supported)
 
+    def cuDeviceCanAccessPeer(self, dev: Any, peerDev: Any) -> tuple[Any, int | None]:
+        index, peer = self._device(dev), self._device(peerDev, "peerDev")
+        if not (0 <= index < self.device_count and 0 <= peer < self.device_count):
+            return R.CUDA_ERROR_INVALID_DEVICE, None
+        return OK, int(index != peer and self.memory.peers)  # never a device to itself
+
     def cuDevicePrimaryCtxRetain(self, dev: Any) -> tuple[Any, Any]:
-        index = int(_of(dev, real_driver.CUdevice, "dev"))
+        index = self._device(dev)
+        if not 0 <= index < self.device_count:
+            return R.CUDA_ERROR_INVALID_DEVICE, None
         return OK, real_driver.CUcontext(_CONTEXT + index)
 
     def cuCtxPushCurrent(self, ctx: Any) -> tuple[Any]:
-        self._stack().append(int(_of(ctx, real_driver.CUcontext, "ctx")))
+        self._stack().append(_as(ctx, real_driver.CUcontext, "ctx"))
         return (OK,)
 
     def cuCtxPopCurrent(self) -> tuple[Any, Any]:
@@ -119,19 +195,22 @@ class SimulatedDriver:
         return OK, real_driver.CUcontext(self._stack().pop())
 
     def cuCtxSynchronize(self) -> tuple[Any]:
-        if not self._current():
-            return (R.CUDA_ERROR_INVALID_CONTEXT,)
-        self._flush()
-        return (OK,)
+        error = self.refused()
+        if error is not None:
+            return (error,)
+        if self.unsafe_in_capture():
+            return (CAPTURE,)
+        self._synchronize(self.current_device())  # this context's device, no other
+        return (R.CUDA_ERROR_ILLEGAL_ADDRESS if self.refused() is not None else OK,)
 
-    def cuPointerGetAttribute(self, attribute: Any, ptr: Any) -> tuple[Any, int]:
+    def cuPointerGetAttribute(self, attribute: Any, ptr: Any) -> tuple[Any, int | None]:
         _of(attribute, real_driver.CUpointer_attribute, "attribute")
         address = _pointer(ptr)
         if attribute != real_driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
             raise NotImplementedError(f"cudasim: cuPointerGetAttribute({attribute.name})")
         with self.memory.lock:
             device = self.memory.device_of(address)
-        return (INVALID, 0) if device is None else (OK, device)
+        return (INVALID, None) if device is None else (OK, device)
 
     # ---- virtual memory management ----------------------------------------------------------
 
@@ -143,28 +222,35 @@ class SimulatedDriver:
             and 0 <= prop.location.id < self.device_count
         )
 
-    def cuMemGetAllocationGranularity(self, prop: Any, option: Any) -> tuple[Any, int]:
-        _of(option, real_driver.CUmemAllocationGranularity_flags, "option")
-        return (OK, GRANULARITY) if self._check_prop(prop) else (INVALID, 0)
+    def cuMemGetAllocationGranularity(self, prop: Any, option: Any) -> tuple[Any, int | None]:
+        flags = real_driver.CUmemAllocationGranularity_flags
+        option = flags(_int(option, "option"))  # an int is converted, as the bindings do
+        if not self._check_prop(prop):
+            return INVALID, None
+        return OK, GRANULARITY if option == flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED else _MIN
 
-    def cuMemGetInfo(self) -> tuple[Any, int, int]:
-        if not self._current():
-            return R.CUDA_ERROR_INVALID_CONTEXT, 0, 0
+    def cuMemGetInfo(self) -> tuple[Any, int | None, int | None]:
+        error = self.refused()
+        if error is not None:
+            return error, None, None
         with self.memory.lock:
             return OK, self.memory.capacity - self.memory.used, self.memory.capacity
 
     def cuMemAddressReserve(self, size: int, alignment: int, addr: Any, flags: int) -> Any:
-        size, alignment, flags = _int(size, "size"), _int(alignment, "alignment"), flags
+        size, alignment = _int(size, "size"), _int(alignment, "alignment")
         _pointer(addr, "addr")  # a hint; like the driver, free to ignore it
-        if not self._current():
-            return R.CUDA_ERROR_INVALID_CONTEXT, real_driver.CUdeviceptr(0)
-        aligned = alignment == 0 or (alignment % GRANULARITY == 0)
-        if size <= 0 or size % GRANULARITY or not aligned or _int(flags, "flags") != 0:
-            return INVALID, real_driver.CUdeviceptr(0)
+        error = self.refused()
+        if error is not None:
+            return error, None
+        aligned = alignment == 0 or (alignment % _MIN == 0)
+        if size <= 0 or size % _MIN or not aligned or _int(flags, "flags") != 0:
+            return INVALID, None
         with self.memory.lock:
+            if size > self.memory.address_space:  # no range could ever hold it
+                return self.impossible, None
             address = self.memory.take_range(size, max(alignment, GRANULARITY))
             if address is None:
-                return OOM, real_driver.CUdeviceptr(0)
+                return OOM, None
             self.memory.reservations[address] = Reservation(size)
         return OK, real_driver.CUdeviceptr(address)
 
@@ -181,19 +267,25 @@ class SimulatedDriver:
 
     def cuMemCreate(self, size: int, prop: Any, flags: int) -> tuple[Any, Any]:
         size = _int(size, "size")
-        if not self._check_prop(prop) or size <= 0 or size % GRANULARITY or flags != 0:
-            return INVALID, real_driver.CUmemGenericAllocationHandle(0)
-        if not self._current():
-            return R.CUDA_ERROR_INVALID_CONTEXT, real_driver.CUmemGenericAllocationHandle(0)
+        if not self._check_prop(prop) or size <= 0 or size % _MIN or _int(flags, "f") != 0:
+            return INVALID, None
+        error = self.refused()
+        if error is not None:
+            return error, None
+        if self.unsafe_in_capture():
+            return CAPTURE, None
         with self.memory.lock:
             if not self.memory.charge(size):
-                return OOM, real_driver.CUmemGenericAllocationHandle(0)
+                return OOM, None
             key, self.memory.next_handle = self.memory.next_handle, self.memory.next_handle + 1
             self.memory.handles[key] = Handle(size, prop.location.id)
         return OK, real_driver.CUmemGenericAllocationHandle(key)
 
+    def _handle(self, handle: object) -> int:
+        return _as(handle, real_driver.CUmemGenericAllocationHandle, "handle")
+
     def cuMemRelease(self, handle: Any) -> tuple[Any]:
-        key = int(_of(handle, real_driver.CUmemGenericAllocationHandle, "handle"))
+        key = self._handle(handle)
         with self.memory.lock:
             found = self.memory.handles.get(key)
             if found is None or found.released:
@@ -204,9 +296,11 @@ class SimulatedDriver:
 
     def cuMemMap(self, ptr: Any, size: int, offset: int, handle: Any, flags: int) -> tuple[Any]:
         address, size, offset = _pointer(ptr), _int(size, "size"), _int(offset, "offset")
-        key = int(_of(handle, real_driver.CUmemGenericAllocationHandle, "handle"))
-        if address % GRANULARITY or size <= 0 or size % GRANULARITY or offset % GRANULARITY:
+        key = self._handle(handle)
+        if address % _MIN or size <= 0 or size % _MIN or offset % _MIN:
             return (INVALID,)
+        if self.unsafe_in_capture():
+            return (CAPTURE,)
         with self.memory.lock:
             found = self.memory.handles.get(key)
             if found is None or found.released or offset + size > found.size or flags != 0:
@@ -257,15 +351,24 @@ class SimulatedDriver:
             tiles = self._whole_mappings(address, size)
             if tiles is None:  # the range must be fully mapped
                 return (INVALID,)
-            granted = desc[-1].flags
+            fresh = [(at, m) for at, m in tiles if not m.access]
             for _, mapping in tiles:
-                mapping.accessible = granted == flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            if granted == flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE:
-                make_accessible(address, size)
-            elif granted == flags.CU_MEM_ACCESS_FLAGS_PROT_READ:
-                make_read_only(address, size)
-            else:
-                make_inaccessible(address, size)
+                for item in desc:  # per device: a device not listed keeps what it had
+                    if item.flags == flags.CU_MEM_ACCESS_FLAGS_PROT_NONE:
+                        mapping.access.pop(item.location.id, None)
+                    else:
+                        writable = item.flags == flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                        mapping.access[item.location.id] = writable
+            for at, mapping in tiles:  # the host's pages: the most any device may do
+                if any(mapping.access.values()):
+                    make_accessible(at, mapping.size)
+                elif mapping.access:
+                    make_read_only(at, mapping.size)
+                else:
+                    make_inaccessible(at, mapping.size)
+            for at, mapping in fresh:
+                if any(mapping.access.values()):
+                    fill_fresh(at, mapping.size)  # new physical memory is not cleared
         return (OK,)
 
     def cuMemUnmap(self, ptr: Any, size: int) -> tuple[Any]:
@@ -276,6 +379,9 @@ class SimulatedDriver:
                 return (INVALID,)
             found = self.memory.reservation_at(address, size)
             assert found is not None
+            # Unmapping does not wait for work in flight: work still queued over the pages
+            # would touch an illegal address.
+            self.memory.gone(address, size, "cuMemUnmap", self.current_device())
             for at, mapping in tiles:
                 del found[1].mappings[at]
                 self.memory.handles[mapping.handle].mappings -= 1
@@ -293,10 +399,13 @@ class SimulatedDriver:
             | real_driver.CU_MEMHOSTREGISTER_IOMEMORY
             | real_driver.CU_MEMHOSTREGISTER_READ_ONLY
         )
-        if not self._current():
-            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        error = self.refused()
+        if error is not None:
+            return (error,)
         if size <= 0 or address == 0 or flags & ~known:
             return (INVALID,)
+        if self.unsafe_in_capture():
+            return (CAPTURE,)
         # Pages are locked whole: two registrations may not share a page.
         first, end = address // PAGE * PAGE, -(-(address + size) // PAGE) * PAGE
         with self.memory.lock:
@@ -310,11 +419,15 @@ class SimulatedDriver:
 
     def cuMemHostUnregister(self, p: Any) -> tuple[Any]:
         address = _pointer(p, "p")
-        if not self._current():
-            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+        error = self.refused()
+        if error is not None:
+            return (error,)
         with self.memory.lock:
-            if self.memory.registered.pop(address, None) is None:  # only a registration's start
+            size = self.memory.registered.pop(address, None)
+            if size is None:  # only a registration's start
                 return (R.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED,)
+            # Registrations are portable: any device's queued copy may still use the pages.
+            self.memory.gone(address, size, "cuMemHostUnregister", self.current_device())
         return (OK,)
 
 
@@ -324,11 +437,10 @@ class SimulatedRuntime:
     ``cudaMalloc`` allocates on the device of the driver context current to the thread.
     """
 
-    def __init__(self, memory: DeviceMemory, driver: SimulatedDriver, flush: Callable[[], None]):
+    def __init__(self, memory: DeviceMemory, driver: SimulatedDriver):
         self.memory = memory
         self.driver = driver
         self.device_count = driver.device_count
-        self._flush = flush
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(real_runtime, name)
@@ -345,13 +457,28 @@ class SimulatedRuntime:
     def cudaDriverGetVersion(self) -> tuple[Any, int]:
         return E.cudaSuccess, VERSION
 
-    def cudaMalloc(self, size: int) -> tuple[Any, int]:
-        address = self.malloc(_int(size, "size"), self.driver.current_device())
-        return (E.cudaErrorMemoryAllocation, 0) if address is None else (E.cudaSuccess, address)
+    def _refused(self) -> Any:
+        if self.driver.current_device() in self.memory.faulted:
+            return E.cudaErrorIllegalAddress
+        if self.driver.unsafe_in_capture():
+            return E.cudaErrorStreamCaptureUnsupported
+        return None
+
+    def cudaMalloc(self, size: int) -> tuple[Any, int | None]:
+        size = _int(size, "size")
+        error = self._refused()
+        if error is not None:
+            return error, None
+        address = self.malloc(size, self.driver.current_device())
+        return (E.cudaErrorMemoryAllocation, None) if address is None else (E.cudaSuccess, address)
 
     def cudaFree(self, devPtr: Any) -> tuple[Any]:
-        self._flush()  # cudaFree waits for the device, as documented
-        freed = self.free(_pointer(devPtr, "devPtr"))
+        address = _pointer(devPtr, "devPtr")
+        error = self._refused()
+        if error is not None:
+            return (error,)
+        self.driver._synchronize(self.driver.current_device())  # cudaFree waits for the device
+        freed = self.free(address, self.driver.current_device())
         return (E.cudaSuccess,) if freed else (E.cudaErrorInvalidValue,)
 
     def malloc(self, size: int, device: int) -> int | None:
@@ -369,13 +496,16 @@ class SimulatedRuntime:
             self.memory.allocations[address] = span
             self.memory.allocated_on[address] = device
         make_accessible(address, span)
+        fill_fresh(address, span)  # cudaMalloc does not clear
         return address
 
-    def free(self, address: int) -> bool:
+    def free(self, address: int, device: int) -> bool:
+        """Give an allocation back; work still queued over it is a fault on ``device``."""
         with self.memory.lock:
             span = self.memory.allocations.pop(address, None)
             if span is None:
                 return False
+            self.memory.gone(address, span, "freeing", device)
             del self.memory.allocated_on[address]
             make_inaccessible(address, span)
             self.memory.give_range(address, span)

@@ -20,10 +20,16 @@ import ctypes.util
 import gc
 import mmap
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PAGE = mmap.PAGESIZE
-GRANULARITY = 2 << 20  # what current GPUs report for cuMemGetAllocationGranularity
+# cuMemGetAllocationGranularity: the recommended granularity is what current GPUs report; the
+# minimum (what sizes and addresses must be multiples of) is smaller here, so that a backend
+# that asks for one and uses the other is found out.
+GRANULARITY = 2 << 20
+MINIMUM_GRANULARITY = 64 << 10
+FRESH = 0xA5  # fresh device memory is not cleared on a GPU: here it holds this byte
 ADDRESS_SPACE = 1 << 40  # 1 TiB of host address space; reserving it costs no memory
 
 _PROT_NONE, _PROT_READ, _PROT_WRITE = 0, 1, 2
@@ -74,6 +80,11 @@ def make_read_only(address: int, size: int) -> None:
     _checked(_libc.mprotect(address, size, _PROT_READ), "mprotect")
 
 
+def fill_fresh(address: int, size: int) -> None:
+    """What fresh device memory holds: not zeros (cudaMalloc and cuMemCreate do not clear)."""
+    ctypes.memset(address, FRESH, size)
+
+
 def make_inaccessible(address: int, size: int) -> None:
     """Drop the pages' content (the physical memory goes back) and fault on any access."""
     _checked(_libc.madvise(address, size, _MADV_DONTNEED), "madvise")
@@ -122,7 +133,7 @@ class Handle:
 class Mapping:
     size: int
     handle: int
-    accessible: bool = False
+    access: dict[int, bool] = field(default_factory=dict)  # device -> may write (cuMemSetAccess)
 
 
 @dataclass
@@ -144,6 +155,7 @@ class DeviceMemory:
         self.pinned_capacity = pinned_capacity
         self.used = 0  # physical bytes held: handles, cudaMalloc, the caching allocator
         self.base = address_space()
+        self.address_space = ADDRESS_SPACE
         self.free_ranges: list[tuple[int, int]] = [(self.base, ADDRESS_SPACE)]  # sorted
         self.reservations: dict[int, Reservation] = {}
         self.handles: dict[int, Handle] = {}
@@ -151,7 +163,46 @@ class DeviceMemory:
         self.allocated_on: dict[int, int] = {}  # cudaMalloc'd address -> device
         self.registered: dict[int, int] = {}  # host address -> size (cuMemHostRegister)
         self.next_handle = 1
+        self.peers = True  # cuDeviceCanAccessPeer answers this for every pair of devices
         self.lock = Critical()
+        # What went wrong on the devices (an illegal address, memory given back under queued
+        # work): on a GPU a sticky error that kills the context; here a record every test's
+        # teardown checks, and the devices listed fail every later synchronization.
+        self.faults: list[str] = []
+        self.faulted: set[int] = set()
+        # Who still queues work over a range (set by the streams): a description, or None.
+        self.queued_users: Callable[[int, int], str | None] = lambda address, size: None
+        # Stream captures underway: stream handle -> (capturing thread, mode), and the ones
+        # an unsafe call has invalidated.
+        self.captures: dict[int, tuple[int, str]] = {}
+        self.invalidated: set[int] = set()
+
+    def capture_forbids(self, thread: int) -> list[int]:
+        """The captures that forbid ``thread`` a potentially unsafe call now: any capture in
+        global mode on any thread, and one in thread-local mode on ``thread`` itself
+        (``cudaStreamBeginCapture``, "stream capture mode")."""
+        return [
+            stream
+            for stream, (owner, mode) in self.captures.items()
+            if mode == "global" or (mode == "thread_local" and owner == thread)
+        ]
+
+    def capture_refuses(self, thread: int) -> bool:
+        """Whether an unsafe call from ``thread`` is refused now; the call invalidates every
+        capture that forbids it, as on a GPU."""
+        forbidding = self.capture_forbids(thread)
+        self.invalidated.update(forbidding)
+        return bool(forbidding)
+
+    def fault(self, device: int, why: str) -> None:
+        self.faults.append(f"cuda:{device}: {why}")
+        self.faulted.add(device)
+
+    def gone(self, address: int, size: int, what: str, device: int) -> None:
+        """``[address, address + size)`` is given back: queued work over it is a fault."""
+        user = self.queued_users(address, size)
+        if user is not None:
+            self.fault(device, f"{what} of {size:,} bytes at {address:#x} while {user}")
 
     # ---- address space ----------------------------------------------------------------------
 
@@ -198,11 +249,12 @@ class DeviceMemory:
             del self.handles[key]
             self.used -= handle.size
 
-    def is_device_memory(self, address: int, size: int) -> bool:
-        """Whether ``[address, address + size)`` is device memory that may be touched."""
+    def is_device_memory(self, address: int, size: int, device: int | None = None) -> bool:
+        """Whether ``[address, address + size)`` is device memory that may be touched (from
+        ``device``, when given: VMM access is granted per device, cuMemSetAccess)."""
         for start, length in self.allocations.items():
             if start <= address and address + size <= start + length:
-                return True
+                return device is None or self.peer_ok(device, self.allocated_on[start])
         found = self.reservation_at(address, size)
         if found is None:
             return False
@@ -210,10 +262,18 @@ class DeviceMemory:
         for at, mapping in found[1].mappings.items():
             overlap = min(at + mapping.size, address + size) - max(at, address)
             if overlap > 0:
-                if not mapping.accessible:
+                writable = (
+                    mapping.access.values() if device is None else [mapping.access.get(device)]
+                )
+                if not any(writable):
                     return False
                 covered += overlap
         return covered == size
+
+    def peer_ok(self, device: int, owner: int) -> bool:
+        """Whether ``device`` reaches ``cudaMalloc`` memory of ``owner`` (PyTorch enables peer
+        access where the devices can)."""
+        return device == owner or self.peers
 
     def device_of(self, address: int) -> int | None:
         """The device whose memory is at ``address``, or ``None`` (not device memory)."""
