@@ -339,21 +339,23 @@ class Executor:
         offsets: list[int | None] = [0] * len(joined)
         if routed:
             # Every op allocates as eager does and the router serves it from the arena; what
-            # the arena will need is known exactly once a call is recorded. Before that (an
-            # estimate), every intermediate, result of an op without out= and kernel scratch
-            # packed into one arena models it, with only what the call returns beside.
+            # the arena serves is known exactly once a call is recorded. Before that (an
+            # estimate), the same choice on the graph's timeline models it: every
+            # intermediate, result of an op without out= and kernel scratch may go into the
+            # arena, where that does not raise the peak; what the call returns stays beside.
             granularity = max(16, self.pool.granularity)
             inner = [*joined, *analysis.beside, *analysis.scratch]
             kept_lives = [analysis.lifetimes[i] for i in kept]
+            capacity = existing.get(f"{self.prefix}0", 0)
             packed = place(
-                inner, kept_lives, 0, horizon=horizon, granularity=granularity,
-                must=frozenset(range(len(inner))),
+                inner, kept_lives, capacity, horizon=horizon, granularity=granularity,
+                establish=True,
             )  # fmt: skip
             offsets = [None] * len(joined)
             names: list[str | None] = [None] * len(joined)
             need: dict[str, int] = {}
             alone = {f"{self.prefix}0": packed.need} if packed.need else {}
-            fresh = kept_lives
+            fresh = [*kept_lives, *(inner[k] for k, o in enumerate(packed.offsets) if o is None)]
         elif share:
             # One arena, planned in the pool's own granularity (what it will really hold).
             arena = f"{self.prefix}0"

@@ -73,6 +73,7 @@ class Route:
         self._native_plan: Any = None
         self.last: dict[str, int] = {}  # the counts of the latest replay
         self.added_bytes = 0  # what planning this route grew the arena by
+        self._planned_for = 0  # the arena's capacity the plan was made for
 
     @contextmanager
     def scope(self) -> Iterator[None]:
@@ -94,7 +95,12 @@ class Route:
             if completed:  # a failed call's sequence is not the signature's
                 self._adopt(recording)
             return
+        if self.recording is not None and self._capacity() != self._planned_for:
+            # Other routes grew the arena (or it was trimmed) since this plan was made: plan
+            # the recorded sequence again for the arena as it is now.
+            self._adopt(self.recording)
         plan = self.plan
+        assert plan is not None
         base = size = 0
         if plan.need:
             arena = self._pool.tensor(self._arena, (plan.need,), torch.uint8)
@@ -123,7 +129,8 @@ class Route:
                 plan = plan_offsets(recording, ceiling=self._capacity())
         self.recording = recording
         self.plan = plan
-        self.added_bytes = self._capacity() - before
+        self._planned_for = self._capacity()
+        self.added_bytes = max(self.added_bytes, self._planned_for - before)
         self._native_plan = native().Plan(list(recording.sizes), list(plan.offsets))  # type: ignore[union-attr]
 
     def _capacity(self) -> int:
