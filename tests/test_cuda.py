@@ -85,8 +85,8 @@ def settle_garbage() -> None:
 
 
 def keep_the_device_busy() -> None:
-    """Make the producer still busy when the next copy is issued (on the stand-in, copies
-    on a side stream always run late)."""
+    """Make the producer still busy when the next copy is issued (on the stand-in, queued
+    copies run late on every stream anyway)."""
     if HAS_CUDA:
         torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
 

@@ -21,8 +21,8 @@ import sharedmem as sm
 from sharedmem._backends.cuda_torch_ops import ops
 
 BACKENDS = ["vmm", "cudart", "torch"]
-# None runs every copy as late as CUDA allows; the numbers seed a scheduler that runs queued
-# work early at points it picks. The id of each test says which one it ran with.
+# The order queued work runs in: None runs every copy as late as CUDA allows; a number seeds a
+# scheduler that runs queued work early at points it picks. A test's id says which it ran.
 SCHEDULES = [None, 1, 2, 3]
 MiB = 1 << 20
 
@@ -42,12 +42,12 @@ def same(tensor: torch.Tensor, value: int) -> bool:
 # ---- every stream runs late: each copy is waited for -----------------------------------------
 
 
-@pytest.mark.parametrize("seed", SCHEDULES)
+@pytest.mark.parametrize("order", SCHEDULES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_current_stream_copies_are_waited_for(
-    cuda_sim: Any, backend: str, seed: int | None
+    cuda_sim: Any, backend: str, order: int | None
 ) -> None:
-    schedule(cuda_sim, seed)
+    schedule(cuda_sim, order)
     m = sm.SyncedMemory(MiB, device="cuda", backend=backend)
     for value in (1, 2, 3):
         m.mutable_device_data().fill_(value)
@@ -57,12 +57,12 @@ def test_current_stream_copies_are_waited_for(
         assert same(m.host_data(), value + 10)
 
 
-@pytest.mark.parametrize("seed", SCHEDULES)
+@pytest.mark.parametrize("order", SCHEDULES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_source_is_not_overwritten_before_its_copy_ran(
-    cuda_sim: Any, backend: str, seed: int | None
+    cuda_sim: Any, backend: str, order: int | None
 ) -> None:
-    schedule(cuda_sim, seed)
+    schedule(cuda_sim, order)
     m = sm.SyncedMemory(MiB, device="cuda", backend=backend)
     m.mutable_host_data().fill_(5)
     target = ops().empty(MiB, 0)
@@ -86,15 +86,15 @@ def test_a_source_is_not_overwritten_before_its_copy_ran(
     assert same(host, 9)
 
 
-@pytest.mark.parametrize("seed", SCHEDULES)
+@pytest.mark.parametrize("order", SCHEDULES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_copy_paths_keep_every_byte_under_any_schedule(
-    cuda_sim: Any, backend: str, seed: int | None
+    cuda_sim: Any, backend: str, order: int | None
 ) -> None:
     """Every copy path (synchronous accessors, push/pull on the side stream, a given stream,
     a raw handle, upload/download to outside tensors, growth, shrink) against a model."""
-    schedule(cuda_sim, seed)
-    generator = torch.Generator().manual_seed(seed or 0)
+    schedule(cuda_sim, order)
+    generator = torch.Generator().manual_seed(order or 0)
     stream = ops().new_stream(0)
     m = sm.SyncedMemory(4096, device="cuda", backend=backend)
     model = torch.zeros(0, dtype=torch.uint8)

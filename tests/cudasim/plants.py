@@ -129,6 +129,17 @@ PLANTS = {
         "test_giving_memory_back_waits_for_work_of_its_own_device",
         "tests/test_cuda_streams.py",
     ),
+    # Unpinning waits for the memory's own device only: a copy of another device still
+    # reading the (portable) pinned pages meets unregistered memory.
+    "unpin-waits-for-its-own-device-only": Plant(
+        "sharedmem._backends.cuda_pinned",
+        "_Pins",
+        "unpin",
+        "ops().synchronize(device)",
+        "ops().synchronize(self.index)",
+        "test_unpinning_waits_for_a_copy_of_any_device",
+        "tests/test_cuda_streams.py",
+    ),
     # Access granted to the owning device only: a peer's copy faults.
     "missing-peer-grant": Plant(
         "sharedmem._backends.cuda_vmm",
