@@ -126,6 +126,6 @@ def test_gradients_are_added_into_when_the_call_has_no_tensors() -> None:
     eager = copy.deepcopy(model)
     step = sm.pooled_train_step(model, lambda out, y: out.sum(), pool=sm.BufferPool("cpu"))
     for _ in range(3):  # the second and third add into existing gradients
-        step((), None)
+        step(((),), None)  # a tuple of inputs is unpacked: the one input is ()
         eager(()).sum().backward()
     assert torch.equal(model.w.grad, eager.w.grad)
