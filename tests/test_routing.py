@@ -116,7 +116,10 @@ def test_the_arena_serves_every_dying_allocation_packed_near_max_live() -> None:
     (route,) = pool._blocks.routes().values()
     assert route.plan is not None and route.recording is not None
     dying = route.recording.total_bytes - route.recording.outliving_bytes
-    assert route.last["served_bytes"] >= 0.99 * dying
+    # everything the plan chose is served; it chose all but what would lift the peak by more
+    # than one granule (a weight oneDNN caches across calls outlives the block here)
+    assert route.last["served_bytes"] == route.plan.routed_bytes
+    assert route.plan.routed_bytes >= 0.9 * dying
     assert route.last["fell_back_bytes"] == 0
     assert route.plan.need <= 1.05 * route.plan.lower_bound
     assert "act.0" in pool.names()
@@ -281,7 +284,7 @@ def test_the_chosen_plan_never_peaks_above_the_allocator_alone(rec: Recording, h
     plan = choose_plan(rec, capacity=have, granularity=64)
     arena = max(have, -(-plan.need // 64) * 64)
     alone = have + rec.live_peak()
-    assert arena + plan.beside_peak <= alone + alone // 100 + 64
+    assert arena + plan.beside_peak <= alone + 64
 
 
 # ---- where the router cannot be built ---------------------------------------------------

@@ -76,7 +76,8 @@ def test_the_pooled_step_peaks_at_most_at_eagers(name: str, grads: str) -> None:
     set_grads()
     want = allocator_peak(eager_step)
     got = allocator_peak(lambda: step(x, y)) + pool.stats()["reserved_bytes"]
-    assert got <= want * (1 + SAVED_COPIES), (name, grads, got, want)
+    # The arena is reserved in whole granules (pages): at most one more than the bytes.
+    assert got <= want * (1 + SAVED_COPIES) + pool.granularity, (name, grads, got, want)
     for p, q in zip(eager.parameters(), pooled.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), "gradients bit for bit"
 

@@ -94,6 +94,7 @@ class Compiled:
     # Where every allocation of a call is served from the arena (the routing allocator);
     # ``None``: the slot plan alone (out= kernels into pool views, the rest beside the pool).
     route: Route | None = None
+    n_data: int = 0  # the last n_data inputs are the call's data (may be pool views)
 
 
 class Mode(NamedTuple):
@@ -138,7 +139,7 @@ class Executor:
         # Served through the routing allocator where it can be (see ``_routed``) when set
         # before the first call. Off by default for now: budgets, the estimate before a call
         # and a signature's recording call are not planned with the router yet.
-        self.routing = False
+        self.routing = True
 
     def _state(self) -> tuple[Binding, State]:
         binding = self._binding
@@ -271,6 +272,7 @@ class Executor:
             Route(self.pool, f"{self.prefix}0", training=grad_ready is not None or self._trains)
             if routed
             else None,
+            n_data,
         )
 
     def _routed(self, outputs_in_pool: bool) -> bool:
@@ -474,6 +476,8 @@ class Executor:
             torch.set_autocast_enabled(self._device_type, False)
         saved = [flat[i].clone() for i in compiled.mutated]
         route = compiled.route
+        if route is not None:
+            flat = route.unalias(flat, len(flat) - compiled.n_data)
         try:
             with nullcontext() if route is None else route.scope():
                 outputs = compiled.runner(self.pool.tensor, *flat)

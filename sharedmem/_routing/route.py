@@ -97,8 +97,9 @@ class Route:
             return
         if self.recording is not None and self._capacity() != self._planned_for:
             # Other routes grew the arena (or it was trimmed) since this plan was made: plan
-            # the recorded sequence again for the arena as it is now.
-            self._adopt(self.recording)
+            # the recorded sequence again for the arena as it is now, without growing it
+            # (the arena grows only when a signature is recorded, so steady state is steady).
+            self._adopt(self.recording, grow=False)
         plan = self.plan
         assert plan is not None
         base = size = 0
@@ -113,18 +114,37 @@ class Route:
         finally:
             self._account(router.end_replay(), held)
 
-    def _adopt(self, recording: Recording) -> None:
+    def unalias(self, tensors: list[torch.Tensor], first: int) -> list[torch.Tensor]:
+        """``tensors`` with those from ``first`` on that view the arena's bytes (a pool view an
+        earlier step returned, fed back in) copied out first: the step's own allocations may
+        be placed over them."""
+        base = _BASES.get(self._pool, {}).get(self._arena)
+        if base is None or self._arena not in self._pool:
+            return tensors
+        top = base + self._pool.blob(self._arena).data_memory.device_capacity
+        out = tensors
+        for i in range(first, len(tensors)):
+            t = tensors[i]
+            start = t.untyped_storage().data_ptr()
+            if base <= start < top or start <= base < start + t.untyped_storage().nbytes():
+                if out is tensors:
+                    out = list(tensors)
+                out[i] = t.clone()
+        return out
+
+    def _adopt(self, recording: Recording, *, grow: bool = True) -> None:
         # Outside any scope: growing the arena is the pool's own allocation.
         from .._errors import OutOfMemoryError
 
-        ceiling = self._ceiling()
         before = self._capacity()
+        ceiling = self._ceiling() if grow else before
         plan = choose_plan(
             recording, capacity=before, granularity=self._pool.granularity, ceiling=ceiling
         )
         if plan.need:
             try:
-                self._pool.tensor(self._arena, (plan.need,), torch.uint8)
+                view = self._pool.tensor(self._arena, (plan.need,), torch.uint8)
+                _BASES.setdefault(self._pool, {})[self._arena] = view.data_ptr()
             except OutOfMemoryError:  # the limit's arithmetic was off: keep to what is there
                 plan = plan_offsets(recording, ceiling=self._capacity())
         self.recording = recording
