@@ -143,6 +143,7 @@ def sweep(models: list[zoo.Model], say: Callable[[str], None] = lambda line: Non
         except Exception as error:  # a crash is a finding: record it and go on
             last = traceback.format_exception_only(error)[-1].strip()
             results.append(Result(entry.name, entry.zoo, crash=last))
+        say(table(results[-1:]).splitlines()[1])
     return results
 
 
