@@ -13,18 +13,17 @@ Targets (DESIGN §7 and issue 25): zero crashes, every model bit-exact, pooled p
 eager, the estimate within 3% (eager) and 2% (pooled) of measured and never under by more
 than 1%.
 
-    python benchmarks/bench_zoo.py [--models NAME,...] [--zoos torch,timm,...] [--json PATH]
+    python benchmarks/bench_zoo.py [--quick] [--json PATH]     (--quick: recurrent and
+                                                               transformers models only)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +32,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zoo
+from harness import Progress, Row, row, script_main
 
 import sharedmem as sm
 from sharedmem.testing import allocator_peak
 
-__all__ = ["Result", "measure", "sweep"]
+__all__ = ["Result", "measure", "run", "sweep"]
 
 
 @dataclass
@@ -174,30 +174,48 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", help="comma-separated model names (default: all)")
-    parser.add_argument("--zoos", help="comma-separated zoos: torchvision,timm,transformers,torch")
-    parser.add_argument("--json", help="also write the figures as JSON to this file")
-    args = parser.parse_args(argv)
-    models = zoo.zoo(tuple(args.zoos.split(",")) if args.zoos else None)
+def run(quick: bool = False, device: str = "cpu", progress: Progress | None = None) -> list[Row]:
+    """The sweep as rows: per model its peaks (pooled against eager) and the estimate's
+    errors; ``quick`` measures the recurrent and transformers models only (the small ones)."""
+    if device != "cpu":
+        return [row("model sweep", 0, "", target="CPU only (allocator events): skipped")]
+    models = zoo.zoo(("torch", "transformers") if quick else None)
+    say = progress.say if progress is not None else (lambda line: None)
     for name, why in zoo.skipped().items():
-        print(f"bench_zoo: skipping the {name} zoo: {why}", file=sys.stderr)
-    if args.models:
-        wanted = set(args.models.split(","))
-        models = [m for m in models if m.name in wanted]
-    results = sweep(models, say=lambda line: print(line, file=sys.stderr, flush=True))
-    print(table(results))
-    if args.json:
-        payload = [
-            {**asdict(r), "ratio": r.ratio, "eager_error": r.eager_error,
-             "pooled_error": r.pooled_error}
-            for r in results
-        ]  # fmt: skip
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-    failed = any(r.crash or not r.bit_exact for r in results)
-    return 1 if failed else 0
+        say(f"skipping the {name} zoo: {why}")
+    results = sweep(models, say=say)
+    print(table(results), file=sys.stderr)
+    rows = []
+    for r in results:
+        if r.crash:
+            rows.append(row(f"{r.name}: crashed", 0, "", target=r.crash[:60], ok=False))
+            continue
+        rows.append(row(f"{r.name}: bit-exact", float(r.bit_exact), "", ok=r.bit_exact))
+        rows.append(
+            row(
+                f"{r.name}: pooled peak",
+                r.pooled_peak,
+                "B",
+                baseline=r.eager_peak,
+                target="<= 1.0x eager",
+                ok=r.ratio <= 1.0,
+            )
+        )
+        for what, error, most in (
+            ("eager", r.eager_error, 0.03),
+            ("pooled", r.pooled_error, 0.02),
+        ):
+            rows.append(
+                row(
+                    f"{r.name}: {what} estimate error",
+                    100 * error,
+                    "%",
+                    target=f"-1% .. +{most:.0%}",
+                    ok=-0.01 <= error <= most,
+                )
+            )
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    script_main(__doc__, run, "model sweep on {device}")
