@@ -162,9 +162,14 @@ def test_nothing_is_allocated_or_changed_and_any_device_works() -> None:
         assert torch.equal(value, before[key]), key  # running statistics untouched
     assert est_cuda.device == "cuda" and est_cuda.train_peak_eager >= est_cpu.train_peak_eager
     assert est_cuda.train_peak_eager % 512 == 0  # the caching allocator's blocks
-    assert est_cpu.fits(est_cpu.train_peak_pooled) and not est_cpu.fits(
-        est_cpu.train_peak_pooled - 1
-    )
+    # A budget counts what the step holds beyond what exists before it, as a step's budget=
+    # does; a device's memory counts everything.
+    assert est_cpu.fits(est_cpu.step_peak_pooled) and not est_cpu.fits(est_cpu.step_peak_pooled - 1)
+    assert est_cpu.fits_memory(est_cpu.train_peak_pooled)
+    assert not est_cpu.fits_memory(est_cpu.train_peak_pooled - 1)
+    b = est_cpu.train_bytes
+    static = b["parameters"] + b["inputs"] + b["optimizer_state"]
+    assert est_cpu.step_peak_pooled == est_cpu.train_peak_pooled - static
     assert "train step peak" in est_cpu.report() and "activations" in est_cpu.report()
 
 
@@ -205,6 +210,9 @@ def test_the_command_prints_the_report_and_judges_a_budget(
     assert "memory estimate on cuda" in out and "the pooled step fits" in out
     assert main([*args, "--budget", "1000"]) == 1
     assert "does NOT fit" in capsys.readouterr().out
+    assert main([*args, "--memory", "1G"]) == 0
+    assert "everything included): the pooled step fits" in capsys.readouterr().out
+    assert main([*args, "--memory", "1000"]) == 1
     assert main(["estimate", "estimate_models:small", "--input", "4x5x16x16"]) == 2
     assert "cannot take an input of shape (4, 5, 16, 16)" in capsys.readouterr().err
     for bad, message in (

@@ -141,15 +141,25 @@ def _run(args: argparse.Namespace) -> int:
             f"{args.loss} loss ({type(error).__name__}: {first})"
         ) from None
     print(est.report())
+    fits = True
     if args.budget is not None:
-        fits = est.fits(args.budget)
+        ok = est.fits(args.budget)
         print(
-            f"budget {args.budget:,} bytes: the pooled step {'fits' if fits else 'does NOT fit'} "
-            f"({est.train_peak_pooled:,} planned); eager "
+            f"budget {args.budget:,} bytes (what the step holds beyond parameters, inputs and "
+            f"optimizer state): the pooled step {'fits' if ok else 'does NOT fit'} "
+            f"({est.step_peak_pooled:,} planned); eager "
             f"{'fits' if est.fits(args.budget, pooled=False) else 'does NOT fit'}"
         )
-        return 0 if fits else 1
-    return 0
+        fits = fits and ok
+    if args.memory is not None:
+        ok = est.fits_memory(args.memory)
+        print(
+            f"memory {args.memory:,} bytes (everything included): the pooled step "
+            f"{'fits' if ok else 'does NOT fit'} ({est.train_peak_pooled:,} planned); eager "
+            f"{'fits' if est.fits_memory(args.memory, pooled=False) else 'does NOT fit'}"
+        )
+        fits = fits and ok
+    return 0 if fits else 1
 
 
 def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer | None:
@@ -197,6 +207,14 @@ def add_estimate_command(commands: Any, count: Any) -> None:
         "--budget",
         type=count("--budget", 0),
         default=None,
-        help="bytes, e.g. 2G: exit 1 if the pooled step does not fit",
+        help="bytes, e.g. 2G, as a step's budget= counts them (what the step holds beyond "
+        "parameters, inputs and optimizer state): exit 1 if the pooled step does not fit",
+    )
+    add(
+        "--memory",
+        type=count("--memory", 0),
+        default=None,
+        help="a device's memory in bytes, e.g. 8G: exit 1 if the whole pooled train step "
+        "(parameters, inputs and optimizer state included) does not fit",
     )
     parser.set_defaults(run=_run)

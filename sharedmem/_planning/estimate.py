@@ -45,9 +45,17 @@ class MemoryEstimate:
     process. ``*_pooled`` are the same for ``sm.pooled_train_step`` / ``sm.pooled_forward``
     on a fresh pool: the pool's planned bytes plus what runs beside the pool.
 
+    A budget has one meaning wherever one is taken (``fits``, a step's ``budget=``, the
+    command line's ``--budget``): what the step itself holds beyond what exists before it (the
+    pool's buffers, what runs beside the pool, the gradients), not the parameters, inputs and
+    optimizer state; ``step_peak_eager`` / ``step_peak_pooled`` are those figures. Whether a
+    whole train step fits a device's memory, everything included, is ``fits_memory``.
+
     Attributes:
         device: the device the figures are for (its allocator's rounding is applied).
         train_peak_eager, train_peak_pooled, eval_peak_eager, eval_peak_pooled: peaks.
+        step_peak_eager, step_peak_pooled: the train step's own peak, beyond the parameters,
+            inputs and optimizer state (what a budget counts).
         train_bytes: the train step's bytes by category (``CATEGORIES``): ``temporaries`` is
             the rest of the eager peak (results that die within the step).
         module_activation_bytes: per module path (``""`` is the model), the bytes saved for
@@ -61,11 +69,20 @@ class MemoryEstimate:
     eval_peak_pooled: int
     train_bytes: dict[str, int]
     module_activation_bytes: dict[str, int] = field(default_factory=dict)
+    step_peak_eager: int = 0
+    step_peak_pooled: int = 0
 
     def fits(self, budget: int | str, *, pooled: bool = True) -> bool:
-        """Whether a train step's peak (pooled unless ``pooled=False``) fits ``budget``: bytes,
-        or a size such as ``"8G"``."""
+        """Whether the train step (pooled unless ``pooled=False``) fits ``budget`` (bytes, or
+        a size such as ``"8G"``) as a step's ``budget=`` counts it: what the step holds
+        beyond the parameters, inputs and optimizer state."""
         nbytes = parse_bytes(budget)
+        return (self.step_peak_pooled if pooled else self.step_peak_eager) <= nbytes
+
+    def fits_memory(self, memory: int | str, *, pooled: bool = True) -> bool:
+        """Whether a whole train step, parameters, inputs and optimizer state included, fits
+        a device with ``memory`` bytes (or a size such as ``"8G"``)."""
+        nbytes = parse_bytes(memory, "memory")
         return (self.train_peak_pooled if pooled else self.train_peak_eager) <= nbytes
 
     def report(self) -> str:
@@ -137,8 +154,8 @@ def estimate(
         ...                   optimizer=torch.optim.Adam(model.parameters()))
         >>> est.train_bytes["optimizer_state"] == 2 * est.train_bytes["parameters"] + 4 * 4
         True
-        >>> est.fits(1 << 30)
-        True
+        >>> est.fits("1G"), est.fits_memory("1G")
+        (True, True)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -200,6 +217,8 @@ def estimate(
         ),
         train_bytes={key: categories[key] for key in CATEGORIES},
         module_activation_bytes=train.modules,
+        step_peak_eager=train_peak_eager - static + buckets - state,
+        step_peak_pooled=train_peak_pooled - static + buckets - state,
     )
 
 

@@ -1,0 +1,36 @@
+"""The model sweep (benchmarks/zoo.py, bench_zoo.py): every model a user brings runs through
+the pooled train step without a crash and equals eager bit for bit. The optional zoos
+(torchvision, timm, transformers) run in the slow tier where they are installed; the
+recurrent models need torch alone."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import bench_zoo
+import zoo
+
+
+def _check(results: list[bench_zoo.Result]) -> None:
+    crashed = [f"{r.name}: {r.crash}" for r in results if r.crash]
+    assert crashed == []
+    assert [r.name for r in results if not r.bit_exact] == []
+    assert all(r.eager_peak > 0 and r.pooled_peak > 0 for r in results)
+
+
+def test_lstm_and_gru_language_models_run_bit_exact() -> None:
+    models = zoo.zoo(("torch",))
+    assert {m.name for m in models} == {"lstm_lm", "gru_lm"}
+    _check(bench_zoo.sweep(models))
+
+
+@pytest.mark.slow
+def test_every_installed_zoo_model_runs_bit_exact_without_a_crash() -> None:
+    models = zoo.zoo()
+    if len(models) == 2:
+        pytest.skip(f"no optional zoo here: {zoo.skipped()}")
+    _check(bench_zoo.sweep(models))
