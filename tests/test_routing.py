@@ -70,7 +70,9 @@ def test_an_eager_block_computes_bit_for_bit_what_plain_eager_does(set_to_none: 
         for a, b in zip(plain.buffers(), pooled.buffers(), strict=True):
             assert torch.equal(a, b), f"seed {seed}"
     stats = pool.stats()
-    assert stats["recorded_calls"] == 1 and stats["replayed_calls"] == 4
+    # recorded once, and once more at most where the first call's state (a kernel's cache
+    # made, gradients absent) differed from the later ones'
+    assert stats["recorded_calls"] <= 2 and stats["replayed_calls"] >= 3
     assert stats["arena_served_bytes"] > 0
 
 
@@ -108,12 +110,14 @@ def test_the_arena_serves_every_dying_allocation_packed_near_max_live() -> None:
     model = _cnn()
     pool = sm.BufferPool("cpu")
     x, y = _batch(0)
-    model.zero_grad(set_to_none=False)
-    for _ in range(3):
+    for _ in range(4):
         model.zero_grad(set_to_none=False)
         with pool.step("train", x, y):
             _step(model, x, y)
     (route,) = pool._blocks.routes().values()
+    # the first call made the gradients (they outlived it); the second added into them, so
+    # the plan of the first was stale and the block was recorded anew
+    assert pool.stats()["recorded_calls"] == 2
     assert route.plan is not None and route.recording is not None
     dying = route.recording.total_bytes - route.recording.outliving_bytes
     # everything the plan chose is served; it chose all but what would lift the peak by more
@@ -179,14 +183,14 @@ def test_tensors_kept_past_the_block_keep_their_bytes() -> None:
 
     def keep(module: nn.Module, args: object, out: torch.Tensor) -> None:
         calls[0] += 1
-        if calls[0] in (3, 4, 6):  # only after a plan was made: an escape it did not see
+        if calls[0] in (6, 8):  # only once a plan was made: an escape it did not see
             hooked.append(out)
 
     model[4].register_forward_hook(keep)
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # each escape is warned about
-        for seed in range(6):
+        for seed in range(9):
             x, y = _batch(seed)
             seen = len(hooked)
             with pool.step("train", x, y):

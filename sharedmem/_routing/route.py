@@ -74,6 +74,7 @@ class Route:
         self.last: dict[str, int] = {}  # the counts of the latest replay
         self.added_bytes = 0  # what planning this route grew the arena by
         self._planned_for = 0  # the arena's capacity the plan was made for
+        self._rerecorded = 0  # times a stale plan (outliving allocations that died) was redone
 
     @contextmanager
     def scope(self) -> Iterator[None]:
@@ -192,7 +193,14 @@ class Route:
                 RuntimeWarning,
                 stacklevel=4,
             )
-        if counts["diverged_at"] >= 0 or escaped > 0:
+        # Allocations the plan left to PyTorch as outliving the call died inside it after all
+        # (the recording ran in another state: gradients absent then, present now): record
+        # anew, a few times at most, so that a block alternating between two states does not
+        # spend every other call recording.
+        stale = counts["planned_out_freed_bytes"] > 0 and self._rerecorded < 3
+        if stale:
+            self._rerecorded += 1
+        if counts["diverged_at"] >= 0 or escaped > 0 or stale:
             self.plan = None  # recorded anew on the next call
 
     def describe(self) -> str:

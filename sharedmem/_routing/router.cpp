@@ -146,10 +146,12 @@ struct Router final : c10::Allocator {
     if (c.diverged_at < 0) {
       c.planned_out++;
       c.planned_out_bytes += static_cast<int64_t>(n);
-    } else {
-      c.fell_back++;
-      c.fell_back_bytes += static_cast<int64_t>(n);
+      // Watched: one that dies inside the call after all was recorded in another state (a
+      // gradient present now, absent then) and the plan could have served it.
+      return record(*scope->rec, n);
     }
+    c.fell_back++;
+    c.fell_back_bytes += static_cast<int64_t>(n);
     return wrap(g_upstream->allocate(n));
   }
 
@@ -255,6 +257,7 @@ void begin_replay(const std::shared_ptr<Plan>& plan, uintptr_t base, size_t size
   TORCH_CHECK(base % 64 == 0, "sharedmem: the arena's address is not 64-byte aligned");
   auto* scope = new Scope();
   scope->plan = plan;
+  scope->rec = std::make_shared<Recording>();  // the planned-out allocations, watched
   scope->arena = arena_at(base, size);
   t_scope = scope;
 }
@@ -270,7 +273,21 @@ std::map<std::string, int64_t> end_replay() {
   int64_t diverged_at = c.diverged_at;
   if (diverged_at < 0 && c.allocations != planned) diverged_at = c.allocations;
   std::lock_guard<std::mutex> lock(g_mutex);
+  int64_t out_freed = 0;
+  Recording& rec = *scope->rec;
+  for (size_t i = 0; i < rec.sizes.size(); ++i) {
+    if (rec.free_at[i] >= 0) out_freed += rec.sizes[i];
+  }
+  for (auto it = g_pending.begin(); it != g_pending.end();) {
+    if (it->second.recording.get() == &rec) {
+      it = g_pending.erase(it);
+      g_watched.fetch_sub(1);
+    } else {
+      ++it;
+    }
+  }
   return {
+      {"planned_out_freed_bytes", out_freed},
       {"allocations", c.allocations},
       {"served", c.served},
       {"served_bytes", c.served_bytes},
