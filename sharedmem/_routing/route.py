@@ -152,7 +152,12 @@ class Route:
         self.plan = plan
         self._planned_for = self._capacity()
         self.added_bytes = max(self.added_bytes, self._planned_for - before)
-        self._native_plan = native().Plan(list(recording.sizes), list(plan.offsets))  # type: ignore[union-attr]
+        # To the router: -1 for what outlived the recorded call, -2 for what the plan left out.
+        offsets = [
+            o if o >= 0 else (-1 if f < 0 else -2)
+            for o, f in zip(plan.offsets, recording.free_at, strict=True)
+        ]
+        self._native_plan = native().Plan(list(recording.sizes), offsets)  # type: ignore[union-attr]
 
     def _capacity(self) -> int:
         if self._arena not in self._pool:

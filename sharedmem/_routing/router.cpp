@@ -54,7 +54,9 @@ struct Pending {
 std::unordered_map<void*, Pending> g_pending;  // recorded allocations not yet freed
 
 struct Plan {
-  std::vector<int64_t> sizes, offsets;  // offset -1: served upstream (it outlives the call)
+  // offset -1: served upstream, it outlived the recorded call (watched: if it dies inside a
+  // call, the recording is stale); -2: served upstream, the plan left it out.
+  std::vector<int64_t> sizes, offsets;
 };
 
 struct Counts {
@@ -146,9 +148,10 @@ struct Router final : c10::Allocator {
     if (c.diverged_at < 0) {
       c.planned_out++;
       c.planned_out_bytes += static_cast<int64_t>(n);
-      // Watched: one that dies inside the call after all was recorded in another state (a
-      // gradient present now, absent then) and the plan could have served it.
-      return record(*scope->rec, n);
+      // Watched: one that outlived the recorded call but dies inside this one was recorded
+      // in another state (a gradient present now, absent then): the plan could serve it.
+      if (plan.offsets[index] == -1) return record(*scope->rec, n);
+      return wrap(g_upstream->allocate(n));
     }
     c.fell_back++;
     c.fell_back_bytes += static_cast<int64_t>(n);
