@@ -45,6 +45,16 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
 
 
+def _train(pool: sm.BufferPool, model: nn.Module, calls: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # ``calls`` steps in a block, gradients kept (zeroed, not set to None) between them.
+    x, y = _batch(0)
+    for _ in range(calls):
+        model.zero_grad(set_to_none=False)
+        with pool.step("train", x, y):
+            _step(model, x, y)
+    return x, y
+
+
 def _arena_range(pool: sm.BufferPool, name: str = "act.0") -> tuple[int, int]:
     memory = pool.blob(name).data_memory
     base = pool.tensor(name, (memory.size,), torch.uint8).data_ptr()
@@ -109,11 +119,7 @@ def test_recurrent_and_data_dependent_blocks_stay_exact() -> None:
 def test_the_arena_serves_every_dying_allocation_packed_near_max_live() -> None:
     model = _cnn()
     pool = sm.BufferPool("cpu")
-    x, y = _batch(0)
-    for _ in range(4):
-        model.zero_grad(set_to_none=False)
-        with pool.step("train", x, y):
-            _step(model, x, y)
+    _train(pool, model, calls=4)
     (route,) = pool._blocks.routes().values()
     # the first call made the gradients (they outlived it); the second added into them, so
     # the plan of the first was stale and the block was recorded anew
@@ -132,11 +138,7 @@ def test_the_arena_serves_every_dying_allocation_packed_near_max_live() -> None:
 def test_train_and_eval_blocks_share_the_arena_and_eval_adds_nothing() -> None:
     model = _cnn()
     pool = sm.BufferPool("cpu")
-    x, y = _batch(0)
-    for _ in range(2):
-        model.zero_grad(set_to_none=False)
-        with pool.step("train", x, y):
-            _step(model, x, y)
+    x, _ = _train(pool, model, calls=2)
     reserved = pool.stats()["reserved_bytes"]
     model.eval()
     with torch.no_grad():
@@ -214,11 +216,7 @@ def test_tensors_kept_past_the_block_keep_their_bytes() -> None:
 def test_another_threads_allocations_are_untouched_by_a_step() -> None:
     model = _cnn()
     pool = sm.BufferPool("cpu")
-    x, y = _batch(0)
-    for _ in range(2):
-        model.zero_grad(set_to_none=False)
-        with pool.step("train", x, y):
-            _step(model, x, y)
+    x, y = _train(pool, model, calls=2)
     inside, outside = threading.Event(), threading.Event()
     made: list[torch.Tensor] = []
 

@@ -205,6 +205,18 @@ void check_idle() {
   TORCH_CHECK(t_scope == nullptr, "sharedmem: a step's scope is already open on this thread");
 }
 
+// Stop watching the allocations of ``rec`` still alive (the caller holds g_mutex).
+void forget_pending(const Recording& rec) {
+  for (auto it = g_pending.begin(); it != g_pending.end();) {
+    if (it->second.recording.get() == &rec) {
+      it = g_pending.erase(it);
+      g_watched.fetch_sub(1);
+    } else {
+      ++it;
+    }
+  }
+}
+
 void begin_record() {
   check_idle();
   auto* scope = new Scope();
@@ -222,15 +234,7 @@ std::vector<std::vector<int64_t>> end_record() {
   std::lock_guard<std::mutex> lock(g_mutex);
   Recording& rec = *scope->rec;
   std::vector<std::vector<int64_t>> out{rec.sizes, rec.alloc_at, rec.free_at};
-  // What is still alive outlives the call: stop watching it (its free_at stays -1).
-  for (auto it = g_pending.begin(); it != g_pending.end();) {
-    if (it->second.recording.get() == &rec) {
-      it = g_pending.erase(it);
-      g_watched.fetch_sub(1);
-    } else {
-      ++it;
-    }
-  }
+  forget_pending(rec);  // what is still alive outlives the call: its free_at stays -1
   return out;
 }
 
@@ -281,14 +285,7 @@ std::map<std::string, int64_t> end_replay() {
   for (size_t i = 0; i < rec.sizes.size(); ++i) {
     if (rec.free_at[i] >= 0) out_freed += rec.sizes[i];
   }
-  for (auto it = g_pending.begin(); it != g_pending.end();) {
-    if (it->second.recording.get() == &rec) {
-      it = g_pending.erase(it);
-      g_watched.fetch_sub(1);
-    } else {
-      ++it;
-    }
-  }
+  forget_pending(rec);
   return {
       {"planned_out_freed_bytes", out_freed},
       {"allocations", c.allocations},
