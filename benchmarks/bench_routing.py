@@ -81,9 +81,6 @@ def measure(name: str, build: Callable[[], Any], present: bool, reps: int = 7) -
         for a, p in zip(expected, model.parameters(), strict=True)
     )
     (route,) = pool._blocks.routes().values()
-    assert route.plan is not None and route.recording is not None
-    dying = route.recording.total_bytes - route.recording.outliving_bytes
-    served = route.last.get("served_bytes", 0)
     times: dict[str, list[float]] = {"eager": [], "pooled": []}
     for _ in range(reps):
         for label, run in (("eager", eager), ("pooled", pooled)):
@@ -91,6 +88,9 @@ def measure(name: str, build: Callable[[], Any], present: bool, reps: int = 7) -
             start = time.perf_counter()
             run()
             times[label].append(time.perf_counter() - start)
+    assert route.plan is not None and route.recording is not None
+    dying = route.recording.total_bytes - route.recording.outliving_bytes
+    served = route.last.get("served_bytes", 0)  # of the last call, not a profiled one
     return {
         "model": name,
         "grads": "present" if present else "None",

@@ -286,7 +286,7 @@ def test_the_chosen_plan_never_peaks_above_the_allocator_alone(rec: Recording, h
     plan = choose_plan(rec, capacity=have, granularity=64)
     arena = max(have, -(-plan.need // 64) * 64)
     alone = have + rec.live_peak()
-    assert arena + plan.beside_peak <= alone + 64
+    assert arena + plan.beside_peak <= alone + 64 + alone // 1000
 
 
 # ---- where the router cannot be built ---------------------------------------------------
