@@ -8,15 +8,19 @@ with ``out=`` kernels only, as before the router existed.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 __all__ = ["loaded", "native", "routing_enabled"]
 
 _SOURCE = Path(__file__).with_name("router.cpp")
+_NAME = "sharedmem_routing"
 _lock = threading.Lock()
 _loaded: list[Any] = []  # [module or None] once tried
 
@@ -48,12 +52,10 @@ def _load() -> Any | None:
     try:
         from torch.utils import cpp_extension
 
-        module = cpp_extension.load(
-            name="sharedmem_routing",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O2"],
-            verbose=False,
-        )
+        with _build_lock(Path(cpp_extension._get_build_directory(_NAME, verbose=False))):
+            module = cpp_extension.load(
+                name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False
+            )
         if not module.install():
             raise RuntimeError("c10 kept another CPU allocator")
     except Exception as error:  # no compiler, no ninja, a failed build: fall back, say so once
@@ -69,3 +71,19 @@ def _load() -> Any | None:
         )
         return None
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One build at a time, across processes, with a lock the system drops when its holder
+    dies. PyTorch's own lock is a file that a build killed part way (Ctrl-C during the first
+    compile) leaves behind, and every later build then waits on it forever: holding ours, any
+    such file is stale, and is removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "sharedmem.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
