@@ -371,7 +371,8 @@ class Executor:
                 horizon=horizon,
                 granularity=granularity,
                 must=must,
-                ceiling=self._arena_ceiling(capacity),
+                # what does not fit under the pool's limit runs beside the pool rather than fail
+                ceiling=self.pool.growth_room(arena),
                 establish=self.prefix not in _PLANNED.get(self.pool, ()),
             )
             offsets = placed.offsets
@@ -447,17 +448,6 @@ class Executor:
     def _mark_planned(self) -> None:
         # Graphs planned after this one on the pool grow its arena only to lower their peak.
         _PLANNED.setdefault(self.pool, set()).add(self.prefix)
-
-    def _arena_ceiling(self, capacity: int) -> int | None:
-        """The most the arena may grow to under the pool's limit (``None``: no limit): what
-        does not fit runs beside the pool rather than fail."""
-        limit = self.pool.limit
-        if limit is None:
-            return None
-        others = self.pool.stats()["device_reserved_bytes"] - capacity
-        # A moving backend holds the old block beside the new one while it grows.
-        room = limit - others - (0 if self.pool.stable_address else capacity)
-        return max(capacity, room)
 
     def slot_names(self) -> list[str]:
         """The pool buffers this executor's plans use: ``prefix`` and a number."""
