@@ -149,6 +149,9 @@ def test_a_side_stream_copy_waits_for_work_queued_on_the_current_stream(cuda_sim
 
 
 def test_synchronizing_a_device_runs_its_own_streams_only(cuda_sim: Any) -> None:
+    # Nothing may run early here (the test's seeded scheduler could run cuda:1's copy at any
+    # point): what is checked is that synchronizing cuda:0 does not run it.
+    schedule(cuda_sim, None)
     sim_ops = cuda_sim.ops
     on_0, on_1 = torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
     one = torch.ones(4, dtype=torch.uint8)
