@@ -170,6 +170,7 @@ def test_synchronizing_a_device_runs_its_own_streams_only(cuda_sim: Any) -> None
 
 @pytest.mark.parametrize("backend", ["vmm", "cudart"])
 def test_giving_memory_back_waits_for_work_of_its_own_device(cuda_sim: Any, backend: str) -> None:
+    schedule(cuda_sim, None)  # queued work run early would hide a missing wait
     m = sm.SyncedMemory(8 * MiB, device="cuda:0", backend=backend)
     view = m.mutable_device_data()
     view.fill_(1)
@@ -186,6 +187,7 @@ def test_giving_memory_back_waits_for_work_of_its_own_device(cuda_sim: Any, back
 
 
 def test_unpinning_waits_for_a_copy_of_any_device(cuda_sim: Any) -> None:
+    schedule(cuda_sim, None)  # queued work run early would hide a missing wait
     # A host registration is portable: a copy on cuda:1 may read pinned pages of a cuda:0
     # memory, and unpinning them must wait for it.
     m = sm.SyncedMemory(8 * MiB, device="cuda:0", backend="vmm")

@@ -30,7 +30,7 @@ c10::DeleterFnPtr g_upstream_delete = nullptr;
 
 // One lock for the arenas' live maps and the recordings' pending frees: frees may come from
 // any thread (a tensor dropped elsewhere), and it is held for a map operation only.
-std::mutex g_mutex;
+std::mutex& g_mutex = *new std::mutex;  // never destroyed: see g_router
 // How many arenas hold live allocations plus how many allocations recordings wait on: the
 // deleter takes the lock only while this is non-zero.
 std::atomic<int64_t> g_watched{0};
@@ -41,7 +41,7 @@ struct Arena {
   std::map<uintptr_t, uintptr_t> live;  // start -> end of every arena allocation alive
   size_t live_bytes = 0;
 };
-std::vector<std::shared_ptr<Arena>> g_arenas;  // under g_mutex
+auto& g_arenas = *new std::vector<std::shared_ptr<Arena>>;  // under g_mutex; never destroyed
 
 struct Recording {
   std::vector<int64_t> sizes, alloc_at, free_at;  // per allocation; free_at -1: still alive
@@ -51,7 +51,8 @@ struct Pending {
   std::shared_ptr<Recording> recording;
   size_t index;
 };
-std::unordered_map<void*, Pending> g_pending;  // recorded allocations not yet freed
+// Recorded allocations not yet freed (never destroyed: see g_router).
+auto& g_pending = *new std::unordered_map<void*, Pending>;
 
 struct Plan {
   // offset -1: served upstream, it outlived the recorded call (watched: if it dies inside a
@@ -188,7 +189,10 @@ struct Router final : c10::Allocator {
   }
 };
 
-Router g_router;
+// Never destroyed, like the state above: tensors freed while the process exits (by another
+// library's static destructors, or a thread still running) must find the router, its lock
+// and its maps intact, whatever order C++ destroys statics in.
+Router& g_router = *new Router;
 
 bool install() {
   if (c10::GetCPUAllocator() == &g_router) return true;
