@@ -490,12 +490,19 @@ def test_autocast_with_batch_norm_equals_eager() -> None:
         assert torch.equal(fwd(x), eager(x))
 
 
-def test_a_failed_call_leaves_the_model_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+def test_a_failed_call_leaves_the_model_as_eagers_failed_call_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nothing is copied to be put back (those copies would sit above eager's peak for the
+    # whole step): the running statistics are updated as far as the call got, as in eager,
+    # the parameters are untouched, and the next call runs as eager's next step.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    model = copy.deepcopy(eager)
     step = sm.pooled_train_step(model, nn.MSELoss(), pool=sm.BufferPool())
     x, y = torch.randn(6, 4), torch.randn(6, 1)
     step(x, y)
-    before = {name: t.clone() for name, t in model.state_dict().items()}
+    nn.MSELoss()(eager(x), y).backward()
     key, compiled = next(iter(step._cache.items()))
     real = compiled.runner
 
@@ -503,13 +510,22 @@ def test_a_failed_call_leaves_the_model_as_it_was(monkeypatch: pytest.MonkeyPatc
         real(*args)  # every in-place change of the graph is done by now
         raise RuntimeError("a kernel failed")
 
-    failing = dataclasses.replace(compiled, runner=fails_at_the_end)
-    monkeypatch.setitem(step._cache, key, failing)
+    monkeypatch.setitem(step._cache, key, dataclasses.replace(compiled, runner=fails_at_the_end))
     model.zero_grad(set_to_none=True)  # the signature of the first call
+    eager.zero_grad(set_to_none=True)
     with pytest.raises(RuntimeError, match="a kernel failed"):
         step(x, y)
-    for name, t in model.state_dict().items():
-        assert torch.equal(t, before[name]), name  # num_batches_tracked included
+    eager(x)  # eager's forward ran before its failure too
+    assert all(p.grad is None for p in model.parameters())
+    for (name, a), b in zip(eager.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name  # num_batches_tracked included
+    monkeypatch.setitem(step._cache, key, compiled)
+    loss = step(x, y)
+    expected = nn.MSELoss()(eager(x), y)
+    expected.backward()
+    assert torch.equal(loss, expected.detach())
+    for a, b in zip(eager.parameters(), model.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
 
 
 def test_none_in_inputs_and_targets_runs_as_eager() -> None:

@@ -289,6 +289,25 @@ def test_the_chosen_plan_never_peaks_above_the_allocator_alone(rec: Recording, h
     assert arena + plan.beside_peak <= alone + 64 + alone // 1000
 
 
+@given(_recordings())
+def test_the_peak_and_what_outlives_the_step_at_it_match_a_replay(rec: Recording) -> None:
+    # Replayed tick by tick: the first tick with the most bytes live, and of those, the
+    # bytes of allocations never freed (the step's floor the plan summary names).
+    events = sorted(
+        [(a, i, +1) for i, a in enumerate(rec.alloc_at)]
+        + [(f, i, -1) for i, f in enumerate(rec.free_at) if f >= 0]
+    )
+    live: set[int] = set()
+    best, kept = -1, 0
+    for _, i, sign in events:
+        (live.add if sign > 0 else live.discard)(i)
+        total = sum(rec.sizes[j] for j in live)
+        if total > best:
+            best, kept = total, sum(rec.sizes[j] for j in live if rec.free_at[j] < 0)
+    assert rec.live_peak() == best
+    assert rec.kept_at_peak() == kept or best == 0
+
+
 # ---- where the router cannot be built ---------------------------------------------------
 
 

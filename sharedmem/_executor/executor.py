@@ -29,7 +29,7 @@ from .._validate import check_name
 from .binding import Binding, Place, State
 from .codegen import Runner, generate
 from .distributed import grad_taps, unwrap
-from .graph import BATCH_NORMS, Analysis, analyse, op_name
+from .graph import Analysis, analyse, op_name
 from .placement import place, timeline_peak
 from .plan import PLANS, Lifetime, PlanSummary, assign_slots, merge
 from .recompute import recompute
@@ -88,9 +88,6 @@ class Compiled:
     stored: tuple[Place, ...]  # where the last len(stored) outputs are written back
     autocast: bool  # traced under autocast: the runner runs its ops as they were recorded
     out_spec: pytree.TreeSpec | None = None
-    # Inputs the graph changes in place (running statistics, num_batches_tracked): saved
-    # before each call and put back if it fails, so a failed call leaves the model as it was.
-    mutated: tuple[int, ...] = ()
     # Where every allocation of a call is served from the arena (the routing allocator);
     # ``None``: the slot plan alone (out= kernels into pool views, the rest beside the pool).
     route: Route | None = None
@@ -211,7 +208,6 @@ class Executor:
         autocast: bool,
         outputs_in_pool: bool,
         grad_ready: Callable[[int, torch.Tensor], None] | None = None,
-        accumulated: int = 0,
     ) -> Compiled:
         """Plan ``traced``'s intermediates into pool slots and generate its runner.
 
@@ -224,8 +220,6 @@ class Executor:
             outputs_in_pool: the graph's outputs may be pool views (``pooled_forward``).
             grad_ready: for a train graph, called as ``grad_ready(k, grad)`` as soon as the
                 ``k``-th gradient is final (a DDP bucket's all-reduce starts there).
-            accumulated: how many placeholders right before the data are gradients the graph
-                adds into (``accumulate``): written in place, but not put back on failure.
         """
         traced, recomputed = self._recompute(traced)
         gm = traced.gm
@@ -264,11 +258,6 @@ class Executor:
             traced.stored,
             autocast,
             traced.spec,
-            tuple(
-                i
-                for i in mutated_inputs(gm)
-                if not placeholders - n_data - accumulated <= i < placeholders - n_data
-            ),
             Route(self.pool, f"{self.prefix}0", training=grad_ready is not None or self._trains)
             if routed
             else None,
@@ -464,17 +453,15 @@ class Executor:
         torch._C._set_grad_enabled(False)  # as torch.no_grad(), without its per-call cost
         if compiled.autocast:  # the recorded ops are already cast: run them as they are
             torch.set_autocast_enabled(self._device_type, False)
-        saved = [flat[i].clone() for i in compiled.mutated]
         route = compiled.route
         if route is not None:
             flat = route.unalias(flat, len(flat) - compiled.n_data)
         try:
             with nullcontext() if route is None else route.scope():
+                # A call that fails part-way leaves the module as eager's would: the running
+                # statistics of the layers that ran are updated. Copies to put them back would
+                # be alive across the whole step, above eager's peak on every batch-norm model.
                 outputs = compiled.runner(self.pool.tensor, *flat)
-        except BaseException:
-            for i, before in zip(compiled.mutated, saved, strict=True):
-                flat[i].copy_(before)
-            raise
         finally:
             torch._C._set_grad_enabled(enabled)
             if compiled.autocast:
@@ -514,32 +501,6 @@ def routed_summary(compiled: Compiled) -> PlanSummary:
         unpooled_ops=(),
         routed=route.describe(),
     )
-
-
-def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
-    """The positions of the placeholders that ops of ``gm`` write in place (through views too)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    position = {node: i for i, node in enumerate(placeholders)}
-    written: set[int] = set()
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        targets = [
-            value
-            for argument, value in zip(schema.arguments, node.args, strict=False)
-            if argument.alias_info is not None and argument.alias_info.is_write
-        ]
-        if node.target in BATCH_NORMS:
-            # Run through an out= form that updates the running statistics in place.
-            targets += node.args[3:5]
-        for value in targets:
-            base = value
-            while isinstance(base, torch.fx.Node) and base not in position and base.args:
-                base = base.args[0]  # a view of a view of an input: the input
-            if isinstance(base, torch.fx.Node) and base in position:
-                written.add(position[base])
-    return tuple(sorted(written))
 
 
 def returned_bytes(gm: torch.fx.GraphModule) -> int:

@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._pool import BufferPool
-from .accumulate import accumulating
+from .accumulate import accumulating, obeys_layout, relayout
 from .calling import OwnLoss, check_targets
 from .distributed import GradientSync, after_forward, sync_buffers
 from .executor import Executor, MemoryPlan, describe, returned_bytes
@@ -61,10 +61,12 @@ class PooledTrainStep(Executor):
             traced = self._traced.get(traced_key) or trace_train(
                 self.model, self.loss_fn, binding, state, x, y
             )
+            fresh = [not there for there in present] if present else [True] * len(state.params)
+            gm = relayout(traced.gm, state.params, fresh)
             if any(present):
                 first_data = len(state.params) + len(state.buffers)
-                gm = accumulating(traced.gm, [p.grad for p in state.params], first_data)
-                traced = dataclasses.replace(traced, gm=gm)
+                gm = accumulating(gm, [p.grad for p in state.params], first_data)
+            traced = dataclasses.replace(traced, gm=gm)
             label = describe("train step", x, y)
             if any(present):
                 label += ", adding into existing gradients"
@@ -76,7 +78,6 @@ class PooledTrainStep(Executor):
                 autocast=mode.autocast,
                 outputs_in_pool=False,
                 grad_ready=None if self._sync is None else self._sync.ready,
-                accumulated=sum(present),
             )
             self._cache[key] = compiled
         if self._sync is not None:
@@ -89,16 +90,17 @@ class PooledTrainStep(Executor):
         flat = [*state.params, *state.buffers, *held, *x.tensors, *y.tensors]
         loss, *grads = self._run(compiled, binding, flat)
         owned_grads = compiled.owned[1 : 1 + len(grads)]
-        for p, g, owned in zip(state.params, grads, owned_grads, strict=True):
+        for i, (p, owned) in enumerate(zip(state.params, owned_grads, strict=True)):
+            g, grads[i] = grads[i], None  # a copied gradient's original dies at once
             if g is None:
                 continue
             if p.grad is None:
                 # As autograd's AccumulateGrad: keep a fresh gradient that has the parameter's
                 # layout as it is, copy anything else into the parameter's layout.
-                keep = owned and g.stride() == p.stride()
-                p.grad = g if keep else torch.empty_like(p).copy_(g)
+                p.grad = g if owned and obeys_layout(g, p) else torch.empty_like(p).copy_(g)
             else:
                 p.grad.add_(g)
+            del g
         if self._sync is not None:
             self._sync.finish()
         result: torch.Tensor = loss if compiled.owned[0] else loss.clone()

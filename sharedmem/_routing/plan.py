@@ -48,6 +48,20 @@ class Recording(NamedTuple):
         allocator alone (eager) holds at the step's peak, relative to its start."""
         return _max_live(self.sizes, self.alloc_at, self.free_at)
 
+    def kept_at_peak(self) -> int:
+        """Of the bytes live at the step's peak (its first tick at ``live_peak``), those of
+        allocations that outlive the step (a train step's gradients, returned values):
+        what no placement or recomputation inside the step can take off its peak."""
+        live = _live(self.sizes, self.alloc_at, self.free_at)
+        if live.size == 0:
+            return 0
+        tick = int(live.argmax())
+        return sum(
+            s
+            for s, a, f in zip(self.sizes, self.alloc_at, self.free_at, strict=True)
+            if f < 0 and a <= tick
+        )
+
     @property
     def total_bytes(self) -> int:
         """The bytes of every allocation of the step."""
@@ -276,8 +290,14 @@ def _pick(recording: Recording, chosen: list[int]) -> tuple[list[int], list[int]
 
 
 def _max_live(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> int:
+    live = _live(sizes, starts, ends)
+    return int(live.max()) if live.size else 0
+
+
+def _live(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> np.ndarray:
+    """The bytes live after each tick (an empty array for no allocations)."""
     if not sizes:
-        return 0
+        return np.zeros(0, dtype=np.int64)
     horizon = max(max(starts), max(ends)) + 2
     delta = np.zeros(horizon, dtype=np.int64)
     np.add.at(delta, np.asarray(starts, dtype=np.int64), np.asarray(sizes, dtype=np.int64))
@@ -285,4 +305,4 @@ def _max_live(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int]) 
     if freed:
         at, nbytes = zip(*freed, strict=True)
         np.subtract.at(delta, np.asarray(at, dtype=np.int64), np.asarray(nbytes, dtype=np.int64))
-    return int(np.cumsum(delta).max())
+    return np.cumsum(delta)

@@ -217,8 +217,19 @@ class Route:
         return (
             f"{len(recording.sizes):,} allocations per call; {plan.routed_bytes:,} bytes served "
             f"from an arena of {plan.need:,} bytes (max-live {plan.lower_bound:,}, "
-            f"{over:+.1%}); {recording.outliving_bytes:,} bytes outlive the call"
+            f"{over:+.1%}); {recording.outliving_bytes:,} bytes outlive the call{_kept(recording)}"
         )
+
+
+def _kept(recording: Recording) -> str:
+    """Where most of the call's peak outlives it, say so: that part is the step's floor."""
+    peak, kept = recording.live_peak(), recording.kept_at_peak()
+    if not peak or kept < peak / 2:
+        return ""
+    return (
+        f", {kept / peak:.0%} of the call's peak (gradients, returned values): its floor, "
+        "which no placement or recomputation lowers"
+    )
 
 
 def arena_live_bytes(pool: BufferPool, name: str) -> int:
