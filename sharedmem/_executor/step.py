@@ -14,10 +14,11 @@ import torch.utils._pytree as pytree
 
 from .._pool import BufferPool
 from .accumulate import accumulating, obeys_layout, relayout
+from .binding import State
 from .calling import OwnLoss, check_targets
 from .distributed import GradientSync, after_forward, sync_buffers
 from .executor import Executor, MemoryPlan, describe, returned_bytes
-from .trace import flatten, trace_forward, trace_train
+from .trace import Traced, flatten, trace_forward, trace_train
 
 __all__ = ["PooledForward", "PooledTrainStep"]
 
@@ -61,12 +62,7 @@ class PooledTrainStep(Executor):
             traced = self._traced.get(traced_key) or trace_train(
                 self.model, self.loss_fn, binding, state, x, y
             )
-            fresh = [not there for there in present] if present else [True] * len(state.params)
-            gm = relayout(traced.gm, state.params, fresh)
-            if any(present):
-                first_data = len(state.params) + len(state.buffers)
-                gm = accumulating(gm, [p.grad for p in state.params], first_data)
-            traced = dataclasses.replace(traced, gm=gm)
+            traced = self._with_grads(traced, state, present)
             label = describe("train step", x, y)
             if any(present):
                 label += ", adding into existing gradients"
@@ -119,7 +115,18 @@ class PooledTrainStep(Executor):
             self._traced[key] = traced
         present = () if self._sync is not None else tuple(p.grad is not None for p in state.params)
         recorded = self._recorded((*key, present), returned_bytes(traced.gm))
+        traced = self._with_grads(traced, state, present)
         return recorded or self._memory_plan(traced, outputs_in_pool=False)
+
+    def _with_grads(self, traced: Traced, state: State, present: tuple[bool, ...]) -> Traced:
+        """``traced`` as it runs with the gradients ``present``: each fresh one made in its
+        parameter's layout (``relayout``), the others added into ``p.grad`` (``accumulating``)."""
+        fresh = [not there for there in present] if present else [True] * len(state.params)
+        gm = relayout(traced.gm, state.params, fresh)
+        if any(present):
+            first_data = len(state.params) + len(state.buffers)
+            gm = accumulating(gm, [p.grad for p in state.params], first_data)
+        return traced if gm is traced.gm else dataclasses.replace(traced, gm=gm)
 
     def check_targets(self, targets: object) -> object:
         """``targets``, refused where the step's loss is the model's own."""
