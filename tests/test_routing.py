@@ -291,16 +291,6 @@ def test_the_chosen_plan_never_peaks_above_the_allocator_alone(rec: Recording, h
     assert arena + plan.beside_peak <= max(have, -(-full.need // 64) * 64) + full.beside_peak
 
 
-def test_an_arena_rounded_past_the_allocator_alone_leaves_its_top_to_pytorch() -> None:
-    # A page-sized activation, a 64-byte one beside it that the packing puts on a second
-    # page, then the gradients: packed in full, the step would hold two pages next to them.
-    rec = Recording(sizes=[4096, 64, 100_000], alloc_at=[0, 1, 3], free_at=[4, 2, -1])
-    plan = choose_plan(rec, capacity=0, granularity=4096)
-    assert plan_offsets(rec).need > 4096  # the full packing: a second page
-    assert -(-plan.need // 4096) * 4096 + plan.beside_peak == rec.live_peak()
-    assert plan.offsets[0] >= 0  # the page-sized one is still served from the arena
-
-
 @given(_recordings())
 def test_the_peak_and_what_outlives_the_step_at_it_match_a_replay(rec: Recording) -> None:
     # Replayed tick by tick: the first tick with the most bytes live, and of those, the

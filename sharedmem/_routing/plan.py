@@ -173,9 +173,7 @@ def choose_plan(
 ) -> RoutePlan:
     """The plan with the lowest step peak that serves the most bytes from the arena at it.
 
-    The full packing wins where it costs no more than leaving everything to PyTorch (or the
-    same packing under a ceiling a granule or two lower, where the full one's rounding puts
-    it just above: the lowest peak, then the most bytes served). Else
+    The full packing wins where it costs no more than leaving everything to PyTorch. Else
     allocations are taken one at a time (those live at the step's busiest tick first: the
     arena must be full there for the peak to fall; then largest first), each at its best
     gap, refusing any that would grow the arena past the peak it lowers; passes repeat
@@ -191,21 +189,11 @@ def choose_plan(
         The plan whose ``max(capacity, arena) + beside_peak`` is lowest.
     """
     full = plan_offsets(recording, ceiling=ceiling)
+    # Judged with a tolerance of one granule and 0.1%: the arena's rounding to whole granules
+    # and the packing's 64-byte alignment are no reason to leave a whole step to PyTorch.
     alone = capacity + recording.live_peak()
-    candidates = [full]
-    if _peak(full, capacity, granularity) > alone:
-        # Where the arena's rounding to whole granules and the packing's 64-byte alignment
-        # put the step just above the allocator alone, the same packing under a ceiling a
-        # granule or two lower leaves the few allocations at the arena's top to PyTorch.
-        top = full.need // granularity * granularity
-        for low in (top, top - granularity, top - 2 * granularity):
-            if 0 < low < full.need and (ceiling is None or low <= ceiling):
-                candidates.append(plan_offsets(recording, ceiling=low))
-    best = min(candidates, key=lambda p: (_peak(p, capacity, granularity), -p.routed_bytes))
-    # Judged with a tolerance of one granule and 0.1%: no reason to leave a whole step to
-    # PyTorch where the packing could not get under the allocator alone by that little.
-    if _peak(best, capacity, granularity) <= alone + granularity + alone // 1000:
-        return best
+    if _peak(full, capacity, granularity) <= alone + granularity + alone // 1000:
+        return full
     return _grow_greedily(recording, capacity, ceiling)
 
 
