@@ -141,22 +141,25 @@ def _run(args: argparse.Namespace) -> int:
             f"{args.loss} loss ({type(error).__name__}: {first})"
         ) from None
     print(est.report())
+    checks = [
+        (
+            "budget",
+            args.budget,
+            "what the step holds beyond parameters, inputs and optimizer state",
+            est.fits,
+            est.step_peak_pooled,
+        ),
+        ("memory", args.memory, "everything included", est.fits_memory, est.train_peak_pooled),
+    ]
     fits = True
-    if args.budget is not None:
-        ok = est.fits(args.budget)
+    for what, nbytes, meaning, judge, planned in checks:
+        if nbytes is None:
+            continue
+        ok = judge(nbytes)
         print(
-            f"budget {args.budget:,} bytes (what the step holds beyond parameters, inputs and "
-            f"optimizer state): the pooled step {'fits' if ok else 'does NOT fit'} "
-            f"({est.step_peak_pooled:,} planned); eager "
-            f"{'fits' if est.fits(args.budget, pooled=False) else 'does NOT fit'}"
-        )
-        fits = fits and ok
-    if args.memory is not None:
-        ok = est.fits_memory(args.memory)
-        print(
-            f"memory {args.memory:,} bytes (everything included): the pooled step "
-            f"{'fits' if ok else 'does NOT fit'} ({est.train_peak_pooled:,} planned); eager "
-            f"{'fits' if est.fits_memory(args.memory, pooled=False) else 'does NOT fit'}"
+            f"{what} {nbytes:,} bytes ({meaning}): the pooled step "
+            f"{'fits' if ok else 'does NOT fit'} ({planned:,} planned); eager "
+            f"{'fits' if judge(nbytes, pooled=False) else 'does NOT fit'}"
         )
         fits = fits and ok
     return 0 if fits else 1

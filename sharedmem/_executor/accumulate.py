@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_dense
+from torch._prims_common import make_contiguous_strides_for
 from torch.fx import Graph, GraphModule, Node
 
 from .distributed import grad_taps
@@ -107,27 +108,20 @@ def relayout(gm: GraphModule, params: Sequence[torch.Tensor], fresh: Sequence[bo
             if k not in wrong:
                 continue
             p = params[k]
-            stride = p.stride() if p.is_contiguous() or is_dense(p) else None
+            # Eager's layout: the parameter's where it is dense, else contiguous (its clone).
+            dense = p.is_contiguous() or is_dense(p)
+            stride = list(p.stride() if dense else make_contiguous_strides_for(p.shape))
             with graph.inserting_after(copies[final]):
-                if stride is None:  # eager's clone(contiguous) for a parameter not dense
-                    empty = graph.call_function(
-                        torch.ops.aten.empty.memory_format,
-                        (list(p.shape),),
-                        {"dtype": p.dtype, "device": p.device},
-                    )
-                else:
-                    empty = graph.call_function(
-                        torch.ops.aten.empty_strided.default,
-                        (list(p.shape), list(stride)),
-                        {"dtype": p.dtype, "device": p.device},
-                    )
+                empty = graph.call_function(
+                    torch.ops.aten.empty_strided.default,
+                    (list(p.shape), stride),
+                    {"dtype": p.dtype, "device": p.device},
+                )
             with graph.inserting_after(empty):
                 copy = graph.call_function(torch.ops.aten.copy_.default, (empty, outputs[at]))
             with mode or contextlib.nullcontext():
-                empty.meta["val"] = (
-                    torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                    if stride is None
-                    else torch.empty_strided(p.shape, stride, dtype=p.dtype, device=p.device)
+                empty.meta["val"] = torch.empty_strided(
+                    p.shape, stride, dtype=p.dtype, device=p.device
                 )
             copy.meta["val"] = empty.meta["val"]
             outputs[at] = empty
