@@ -77,22 +77,26 @@ def test_the_eager_estimate_matches_the_allocator_within_5_percent(
         opt.zero_grad(set_to_none=True)
 
     def step() -> None:
-        loss = F(model(x), y)
+        out = model(x)  # held through backward, as the estimate assumes
+        loss = F(out, y)
         loss.backward()
-        del loss
+        del loss, out
         if opt is not None:
             opt.step()
 
     measured = allocator_peak(step) + live_at_start(model, [x, y], opt)
-    # DESIGN §7 asks 10%; kernels' own scratch (a convolution's) is what is left unseen.
-    assert abs(est.train_peak_eager - measured) <= 0.05 * measured, (est, measured)
+    # Issue 25's bound: within 3%, never under by more than 1% (kernels' scratch measured).
+    assert -0.01 * measured <= est.train_peak_eager - measured <= 0.03 * measured, (est, measured)
     model.zero_grad(set_to_none=True)
     model.eval()
     with torch.no_grad():
         evaluated = allocator_peak(lambda: model(x)) + live_at_start(model, [x], None)
     # Batch norm in eval mode on the CPU makes a scratch copy of its input that its fake
-    # kernel does not: the CNN's evaluation is under by one activation (19% here).
-    assert abs(est.eval_peak_eager - evaluated) <= 0.2 * evaluated, (est, evaluated)
+    # kernel does not: measured.
+    assert -0.01 * evaluated <= est.eval_peak_eager - evaluated <= 0.03 * evaluated, (
+        est,
+        evaluated,
+    )
 
 
 @pytest.mark.parametrize("make", [mlp, cnn])
@@ -116,9 +120,9 @@ def test_the_pooled_estimate_is_the_plan_and_bounds_the_measured_peak(
 
     measured = allocator_peak(pooled) + live_at_start(model, [x, y], opt)
     measured += pool.stats()["reserved_bytes"]
-    # The plan's timeline holds every byte of the step, kernels' own scratch modelled as one
-    # result's bytes: DESIGN §7's 2%.
-    assert abs(est.train_peak_pooled - measured) <= 0.02 * measured, (est, measured)
+    # The plan's timeline holds every byte of the step, kernels' own scratch measured: within
+    # 2%, never under by more than 1%.
+    assert -0.01 * measured <= est.train_peak_pooled - measured <= 0.02 * measured, (est, measured)
 
 
 def test_categories_follow_the_optimizers_own_rules() -> None:
@@ -160,8 +164,10 @@ def test_nothing_is_allocated_or_changed_and_any_device_works() -> None:
     assert all(p.grad is None for p in model.parameters())
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key  # running statistics untouched
-    assert est_cuda.device == "cuda" and est_cuda.train_peak_eager >= est_cpu.train_peak_eager
-    assert est_cuda.train_peak_eager % 512 == 0  # the caching allocator's blocks
+    # CUDA figures are the fake run's in the caching allocator's 512-byte blocks (this CPU's
+    # kernels' scratch is measured for "cpu" only).
+    assert est_cuda.device == "cuda" and est_cuda.train_peak_eager % 512 == 0
+    assert est_cuda.train_bytes["gradients"] >= est_cpu.train_bytes["gradients"]
     # A budget counts what the step holds beyond what exists before it, as a step's budget=
     # does; a device's memory counts everything.
     assert est_cpu.fits(est_cpu.step_peak_pooled) and not est_cpu.fits(est_cpu.step_peak_pooled - 1)
@@ -251,3 +257,84 @@ def test_the_command_takes_several_inputs_keywords_and_the_models_own_loss(
     with pytest.raises(SystemExit) as exit_:
         main(["estimate", model, "--input", "ids=4x12:int7"])
     assert exit_.value.code == 2 and "dtype is one of" in capsys.readouterr().err
+
+
+# What fake kernels do not show, measured once per kernel configuration on this CPU: oneDNN's
+# per-thread weight-gradient partial sums, an RNN's workspace saved for backward.
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.rnn(x)[0][:, -1])
+        return out
+
+
+def wide_conv() -> nn.Module:
+    # 256 channels at 2x2: the weight gradient's scratch is several times the weight (the
+    # fake run alone is under by about 80%).
+    return nn.Sequential(
+        nn.Conv2d(3, 256, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(256, 256, 3, padding=1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(256, 10),
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"), [(Recurrent, (4, 16, 32)), (wide_conv, (2, 3, 2, 2))], ids=["lstm", "conv"]
+)
+def test_kernel_scratch_and_workspaces_are_measured(
+    make: Callable[[], nn.Module], shape: tuple[int, ...]
+) -> None:
+    torch.manual_seed(3)
+    model, x = make(), torch.randn(shape)
+    y = torch.randint(0, 10, (shape[0],))
+    est = sm.estimate(model, x, y, loss_fn=F)
+
+    def step() -> None:
+        out = model(x)
+        F(out, y).backward()
+        del out
+
+    measured = allocator_peak(step) + live_at_start(model, [x, y], None)
+    assert -0.01 * measured <= est.train_peak_eager - measured <= 0.03 * measured, (est, measured)
+    model.zero_grad(set_to_none=True)
+    pool = sm.BufferPool("cpu")
+    pooled = sm.pooled_train_step(model, F, pool=pool)
+    pooled(x, y)
+    model.zero_grad(set_to_none=True)
+    measured = allocator_peak(lambda: pooled(x, y)) + live_at_start(model, [x, y], None)
+    measured += pool.stats()["reserved_bytes"]
+    assert -0.01 * measured <= est.train_peak_pooled - measured <= 0.02 * measured, (est, measured)
+
+
+def test_kernels_are_measured_once_per_configuration_and_random_ones_never(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sharedmem._routing import kernels
+
+    runs: list[object] = []
+    measure = kernels._measure
+    monkeypatch.setattr(kernels, "_measure", lambda *a: runs.append(a[1]) or measure(*a))
+    conv = torch.ops.aten.convolution_backward.default
+    with FakeTensorMode() as fake:
+        grad, x, w = (fake.from_tensor(torch.zeros(s)) for s in [(2, 96, 2, 2), (2, 96, 2, 2),
+                                                                  (96, 96, 3, 3)])  # fmt: skip
+        args = (grad, x, w, [96], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True])
+        first = kernels.kernel_memory(conv, args, {})
+        again = kernels.kernel_memory(conv, args, {})
+        state = torch.get_rng_state()
+        dropout = torch.ops.aten.native_dropout.default
+        assert kernels.kernel_memory(dropout, (x, 0.5, True), {}) is None
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's generator untouched
+    assert first is not None and first == again and runs == [conv]
+    assert first.results == (2 * 96 * 4 * 4, 96 * 96 * 9 * 4, 96 * 4)  # the results' bytes

@@ -24,13 +24,13 @@ from torch.fx import Node
 
 from .._backends import round_up
 from .._pool import BufferPool
-from .._routing import Route, native
+from .._routing import Route, choose_plan, native
 from .._validate import check_name
 from .binding import Binding, Place, State
 from .codegen import Runner, generate
 from .distributed import grad_taps, unwrap
 from .graph import Analysis, analyse, op_name
-from .placement import place, timeline_peak
+from .placement import as_recording, place, timeline_peak
 from .plan import PLANS, Lifetime, PlanSummary, assign_slots, merge
 from .recompute import recompute
 from .trace import Leaves, Traced
@@ -331,22 +331,28 @@ class Executor:
         if routed:
             # Every op allocates as eager does and the router serves it from the arena; what
             # the arena serves is known exactly once a call is recorded. Before that (an
-            # estimate), the same choice on the graph's timeline models it: every
-            # intermediate, result of an op without out= and kernel scratch may go into the
-            # arena, where that does not raise the peak; what the call returns stays beside.
-            granularity = max(16, self.pool.granularity)
-            inner = [*joined, *analysis.beside, *analysis.scratch]
-            kept_lives = [analysis.lifetimes[i] for i in kept]
-            capacity = existing.get(f"{self.prefix}0", 0)
-            packed = place(
-                inner, kept_lives, capacity, horizon=horizon, granularity=granularity,
-                establish=True,
-            )  # fmt: skip
+            # estimate), the graph's eager allocation sequence stands for the recording,
+            # planned by the router's own planner: every intermediate, result of an op
+            # without out= and kernel scratch may go into the arena; what the call returns
+            # stays beside.
+            returned = analysis.beside_returned
+            recording = as_recording(
+                [*joined, *(b for b, r in zip(analysis.beside, returned, strict=True) if not r)],
+                [
+                    *(analysis.lifetimes[i] for i in kept),
+                    *(b for b, r in zip(analysis.beside, returned, strict=True) if r),
+                ],
+                analysis.scratch,
+            )
+            routed_plan = choose_plan(
+                recording,
+                capacity=existing.get(f"{self.prefix}0", 0),
+                granularity=self.pool.granularity,
+            )
             offsets = [None] * len(joined)
             names: list[str | None] = [None] * len(joined)
             need: dict[str, int] = {}
-            alone = {f"{self.prefix}0": packed.need} if packed.need else {}
-            fresh = [*kept_lives, *(inner[k] for k, o in enumerate(packed.offsets) if o is None)]
+            alone = {f"{self.prefix}0": routed_plan.need} if routed_plan.need else {}
         elif share:
             # One arena, planned in the pool's own granularity (what it will really hold).
             arena = f"{self.prefix}0"
@@ -386,7 +392,7 @@ class Executor:
                 eager.add(i)
         over = {a: node for _, _, a, node in found if a in eager}
         left = [] if routed else [joined[j] for j, name in enumerate(names) if name is None]
-        beside_peak = timeline_peak([*fresh, *left], horizon)
+        beside_peak = routed_plan.beside_peak if routed else timeline_peak([*fresh, *left], horizon)
         ops = [
             op_name(step.node.target)
             for step in analysis.steps

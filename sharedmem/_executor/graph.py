@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._ops import OpOverload
 from torch.fx import Graph, GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._errors import SharedMemError
 from .._layout import extent
+from .._routing.kernels import KernelMemory, kernel_memory
 from .ops import Kind, OpRule, rule_for
 from .plan import Lifetime
 
@@ -92,8 +94,10 @@ class Analysis:
         unpooled_ops: the ops that allocate them.
         beside: the lifetime of every fresh result of an op that always allocates (no native
             ``out=`` form), graph outputs included: what runs beside the pool, in time.
-        scratch: per such op, the memory its kernel works in while it runs, modelled (see
-            ``_scratch``) and live at its node only.
+        scratch: per such op, the memory its kernel works in while it runs, measured or
+            modelled (see ``_measured``, ``_scratch``) and live at its node only.
+        beside_returned: per value of ``beside``, whether a graph output reads it (it
+            outlives the call).
     """
 
     steps: list[NodeRun]
@@ -107,6 +111,7 @@ class Analysis:
     unpooled_ops: tuple[str, ...]
     beside: tuple[Lifetime, ...] = ()
     scratch: tuple[Lifetime, ...] = ()
+    beside_returned: tuple[bool, ...] = ()
 
 
 def op_name(target: object) -> str:
@@ -154,12 +159,16 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
         if node.op == "call_function":
             rule = _rule(node, device, all_fresh=len(set(keys) - seen) == len(results))
             if rule.kind is Kind.PLAIN:
-                for r, key in zip(results, keys, strict=True):
+                measured = _measured(node, results)
+                for k, (r, key) in enumerate(zip(results, keys, strict=True)):
                     if key not in seen and key not in plain_owner:
                         plain_owner[key] = len(plain)
-                        plain.append((key, extent(r), op_name(node.target)))
+                        # a result bigger than its fake shape (an RNN's workspace) counts
+                        # at its real size
+                        size = max(extent(r), measured.results[k]) if measured else extent(r)
+                        plain.append((key, size, op_name(node.target)))
                         plain_starts.append(i)
-                work = _scratch(node, results)
+                work = measured.scratch if measured else _scratch(node, results)
                 if work:
                     scratch.append(Lifetime(work, i, i))
                 steps.append(NodeRun(node, i, rule))
@@ -197,14 +206,14 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
                     k = plain_owner[key]
                     plain_ends[k] = max(plain_ends[k], position[node])
     lifetimes = [Lifetime(n, s, e) for (n, s), e in zip(starts, ends, strict=True)]
-    beside = tuple(
-        Lifetime(n, s, e)
-        for (_, n, _), s, e in zip(plain, plain_starts, plain_ends, strict=True)
-        if n
-    )
     outputs = graph_outputs(nodes[-1])
     out_keys = [storages[o] if isinstance(o, Node) else set() for o in outputs]
     everything = [k for keys in out_keys for k in keys]
+    beside, beside_returned = [], []
+    for (key, n, _), s, e in zip(plain, plain_starts, plain_ends, strict=True):
+        if n:
+            beside.append(Lifetime(n, s, e))
+            beside_returned.append(key in everything)
     returned = frozenset(owner[k] for k in everything if k in owner)
     returned_by = tuple(frozenset(owner[k] for k in keys if k in owner) for keys in out_keys)
     owned = tuple(
@@ -232,17 +241,29 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
         over,
         unpooled_bytes,
         ops,
-        beside,
+        tuple(beside),
         tuple(scratch),
+        tuple(beside_returned),
     )
 
 
+def _measured(node: Node, results: list[torch.Tensor]) -> KernelMemory | None:
+    # A CPU kernel's own scratch and real result sizes, measured once per configuration
+    # (``kernel_memory``); None where it is not measured, and then ``_scratch`` models it.
+    def val(arg: object) -> object:
+        return arg.meta.get("val") if isinstance(arg, Node) else arg
+
+    args, kwargs = pytree.tree_map(val, (list(node.args), dict(node.kwargs)))
+    found = kernel_memory(node.target, args, kwargs, results)
+    return found if found is not None and len(found.results) == len(results) else None
+
+
 def _scratch(node: Node, results: list[torch.Tensor]) -> int:
-    # Kernels without an out= form (oneDNN's convolutions, their backward) allocate working
-    # copies while they run: measured on the CPU, a convolution's is about its input in
-    # oneDNN's blocked layout, its backward's about its input plus its results. So: the
-    # biggest tensor argument plus the results, an upper bound for pointwise and reduction
-    # kernels, which need none.
+    # Where a kernel's scratch is not measured (no router; another device): kernels without
+    # an out= form (oneDNN's convolutions, their backward) allocate working copies while they
+    # run, a convolution's about its input in oneDNN's blocked layout, its backward's about
+    # its input plus its results. So: the biggest tensor argument plus the results, an upper
+    # bound for pointwise and reduction kernels, which need none.
     inputs = [n.meta.get("val") for n in node.all_input_nodes]
     biggest = max((extent(t) for t in inputs if isinstance(t, torch.Tensor)), default=0)
     return biggest + sum(extent(r) for r in results)

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._routing.plan import Recording
 from .plan import Lifetime
 
-__all__ = ["Placed", "place", "timeline_peak"]
+__all__ = ["Placed", "as_recording", "place", "timeline_peak"]
 
 # The share of the step's peak kept free, beside a value the arena grows for, at the nodes
 # where that value is not live.
@@ -251,3 +252,39 @@ def _rounded(nbytes: int, align: int) -> int:
 
 def _max(values: np.ndarray) -> int:
     return int(values.max()) if values.size else 0
+
+
+# Within one node of a graph's eager run: its results are allocated, then its kernel's
+# scratch, which is freed before the values the node read for the last time are.
+_RESULT, _SCRATCH, _SCRATCH_FREED, _LAST_READ = range(4)
+
+
+def as_recording(
+    dying: Sequence[Lifetime], outliving: Sequence[Lifetime], scratch: Sequence[Lifetime]
+) -> Recording:
+    """The allocation sequence a graph's eager run makes, as the router would record it:
+    ``dying`` values are freed after their last read, ``outliving`` ones never (they outlive
+    the call), ``scratch`` is allocated and freed at its node. Planned with the router's own
+    ``choose_plan``, it stands for a routed step's plan before the step has run once."""
+    sizes: list[int] = []
+    events: list[tuple[int, int, int, bool]] = []  # (node, phase, allocation, allocates)
+    for life, kind in (
+        *((life, "dies") for life in dying),
+        *((life, "outlives") for life in outliving),
+        *((life, "scratch") for life in scratch),
+    ):
+        if not life.nbytes:
+            continue
+        i = len(sizes)
+        sizes.append(life.nbytes)
+        if kind == "scratch":
+            events += [(life.start, _SCRATCH, i, True), (life.start, _SCRATCH_FREED, i, False)]
+            continue
+        events.append((life.start, _RESULT, i, True))
+        if kind == "dies":
+            events.append((life.end, _LAST_READ, i, False))
+    alloc_at = [0] * len(sizes)
+    free_at = [-1] * len(sizes)
+    for tick, (_, _, i, allocates) in enumerate(sorted(events)):
+        (alloc_at if allocates else free_at)[i] = tick
+    return Recording(sizes, alloc_at, free_at)

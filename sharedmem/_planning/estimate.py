@@ -177,7 +177,10 @@ def estimate(
     was_training = model.training
     try:
         model.train()
-        train = eager_train(model, inputs, targets, loss, optimizer, rounding)
+        train = eager_train(
+            model, inputs, targets, loss, optimizer, rounding, measure=name == "cpu",
+            keep_output=True,
+        )  # fmt: skip
         if any(p.requires_grad for p in model.parameters()):
             train_plan = PooledTrainStep(model, loss, BufferPool("cpu")).memory_plan(
                 _real(inputs), _real(targets)
@@ -185,7 +188,7 @@ def estimate(
         else:  # a frozen model: its "train step" is a training-mode forward and the loss
             train_plan = PooledForward(model, BufferPool("cpu")).memory_plan(_real(inputs))
         model.eval()
-        eval_peak, out_bytes = _eager_eval(model, inputs, rounding)
+        eval_peak, out_bytes = _eager_eval(model, inputs, rounding, measure=name == "cpu")
         eval_plan = PooledForward(model, BufferPool("cpu")).memory_plan(_real(inputs))
     finally:
         model.train(was_training)
@@ -286,7 +289,15 @@ def eager_train(
     loss_fn: Loss,
     optimizer: torch.optim.Optimizer | None,
     rounding: Callable[[int], int],
+    *,
+    measure: bool = False,
+    keep_output: bool = False,
 ) -> _Train:
+    """The eager step's figures from a fake-tensor run. ``measure``: kernels' scratch and real
+    result sizes measured on this machine's CPU (``LiveBytes``). ``keep_output``: the model's
+    output stays alive through backward, as in ``out = model(x); loss_fn(out, y).backward()``
+    (a logits tensor can be a tenth of a language model's peak); otherwise it is dropped once
+    the loss is computed, as in ``loss_fn(model(x), y).backward()``."""
     result = _Train()
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     result.parameters = _nbytes(iter(named.values()), rounding)
@@ -299,7 +310,7 @@ def eager_train(
         fake_targets = pytree.tree_map(_faker(fake), targets)
         existing = [*state.values(), *_tensors(fake_in), *_tensors(fake_targets)]
         static = {id(t.untyped_storage()) for t in existing}
-        live = LiveBytes(rounding, existing)
+        live = LiveBytes(rounding, existing, measure=measure)
         saved: dict[int, int] = {}
         modules: dict[str, int] = {}
         with _module_stack(model) as stack, live:
@@ -317,11 +328,14 @@ def eager_train(
                 args, kwargs = model_arguments(fake_in)
                 output = functional_call(model, state, args, kwargs)
                 loss = loss_fn(output, fake_targets)
-            del output
+            if not keep_output:
+                del output
             grads: tuple[torch.Tensor | None, ...] = ()
             if trainable and loss.requires_grad:  # a frozen model has no backward to run
                 grads = torch.autograd.grad(loss, trainable, allow_unused=True)
             del loss
+            if keep_output:
+                del output
             result.forward_backward = live.peak
         result.gradients = _nbytes((g for g in grads if g is not None), rounding)
         result.activations = sum(saved.values())
@@ -334,14 +348,14 @@ def eager_train(
 
 
 def _eager_eval(
-    model: nn.Module, inputs: object, rounding: Callable[[int], int]
+    model: nn.Module, inputs: object, rounding: Callable[[int], int], *, measure: bool
 ) -> tuple[int, int]:
     """The peak of what an evaluation forward creates, and its output's bytes."""
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
         state: dict[str, torch.Tensor] = {k: fake.from_tensor(t) for k, t in named.items()}
         fake_in = pytree.tree_map(_faker(fake), inputs)
-        live = LiveBytes(rounding, [*state.values(), *_tensors(fake_in)])
+        live = LiveBytes(rounding, [*state.values(), *_tensors(fake_in)], measure=measure)
         with live, torch.no_grad():
             args, kwargs = model_arguments(fake_in)
             output = functional_call(model, state, args, kwargs)

@@ -453,7 +453,10 @@ class FitStep(Fitted):
 
     def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
         rounding = round_for(str(self.device))
-        train = eager_train(self.model, part.inputs, part.targets, self.loss_fn, None, rounding)
+        train = eager_train(
+            self.model, part.inputs, part.targets, self.loss_fn, None, rounding,
+            measure=str(self.device) == "cpu",
+        )  # fmt: skip
         held = _grad_bytes(self.model, rounding) if accumulating or chunks > 1 else 0
         beside = {
             "forward and backward": train.forward_backward,

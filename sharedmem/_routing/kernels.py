@@ -1,0 +1,171 @@
+"""What a CPU kernel allocates that its fake (meta) kernel does not say, measured once per
+configuration by running it on zeros under the router's recording.
+
+Two things are invisible to a fake-tensor run and decide real peaks:
+
+- **scratch**: memory a kernel holds only while it runs. oneDNN's weight-gradient
+  convolution keeps per-thread partial sums: 72 MiB for one 512x512 3x3 layer of ResNet-18
+  whose weight is 9 MiB. It depends on the shapes, the strides, the thread count and the
+  kernel oneDNN picks, so it is measured, not modelled.
+- **results bigger than their fake shape**: ``mkldnn_rnn_layer``'s workspace, an empty tensor
+  in its meta kernel and about a megabyte in reality, saved for backward.
+
+A configuration is the op, every tensor argument's shape, strides, storage offset and dtype,
+every other argument's value, and the thread count. Running it on zeros (its own tensors,
+nothing of the caller's) costs one call of that op; the answer is kept for the process.
+Ops that draw random numbers are never run (the caller's generator stays as it was), nor are
+views and pointwise ops (no scratch; results as their fake shape says).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any, NamedTuple, TypeGuard
+
+import torch
+import torch.utils._pytree as pytree
+from torch._ops import OpOverload
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .._layout import extent
+from .native import native
+from .plan import Recording
+
+__all__ = ["KernelMemory", "kernel_memory"]
+
+
+class KernelMemory(NamedTuple):
+    """What one call of a kernel allocates, as measured.
+
+    Attributes:
+        scratch: the most bytes it holds while it runs beyond its results' (zero for most).
+        results: the real bytes of each tensor result's storage, in ``pytree`` leaf order.
+    """
+
+    scratch: int
+    results: tuple[int, ...]
+
+
+_cache: dict[tuple[Any, ...], KernelMemory | None] = {}
+_MISSING = object()
+# Fake results whose real storage is bigger (a workspace), by their fake storage: held
+# weakly, as long as the fake run holds them.
+_grown: weakref.WeakKeyDictionary[torch.UntypedStorage, int] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+# Not run: they are not kernels with memory of their own, or running them has an effect
+# beyond their result (a scalar read-out synchronizes; a copy writes its destination).
+_SKIP = frozenset({"_local_scalar_dense", "copy_", "lift_fresh", "lift_fresh_copy", "item"})
+_OPAQUE_ARGS = ("workspace", "reserve")
+
+
+def kernel_memory(
+    func: object,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    results: Sequence[torch.Tensor] = (),
+) -> KernelMemory | None:
+    """``func``'s measured memory for these arguments (real or fake tensors; only their
+    metadata is read), or ``None`` where it is not measured: the router is not loaded, a
+    step is recording or replaying on this thread, the op is not a measured kind, or it
+    refused zeros. ``results``: the fake call's tensor results; one found bigger in reality
+    (a workspace) is remembered, so that the kernel that reads it is measured on its real
+    size."""
+    if not _measured_kind(func):
+        return None
+    key = _key(func, args, kwargs)
+    if key is None:
+        return None
+    with _lock:
+        found = _cache.get(key, _MISSING)
+    if found is _MISSING:
+        router = native()
+        if router is None or router.active():
+            return None
+        found = _measure(router, func, args, kwargs)
+        with _lock:
+            _cache[key] = found
+    if isinstance(found, KernelMemory) and len(found.results) == len(results):
+        for fake, real in zip(results, found.results, strict=True):
+            if real > fake.untyped_storage().nbytes():
+                _grown[fake.untyped_storage()] = real
+    return found if isinstance(found, KernelMemory) else None
+
+
+def _measured_kind(func: object) -> TypeGuard[OpOverload]:
+    if not isinstance(func, OpOverload) or func.namespace not in ("aten", "sharedmem"):
+        return False
+    if func.is_view or func._schema.name.split("::")[-1] in _SKIP:
+        return False
+    tags = func.tags
+    return torch.Tag.nondeterministic_seeded not in tags and torch.Tag.pointwise not in tags
+
+
+def _key(func: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    parts: list[Any] = [func, torch.get_num_threads()]
+    tensors = 0
+    # A workspace argument is read as its forward filled it: measured only at its real size.
+    names = (a.name for a in func._schema.arguments)
+    for name, arg in {**dict(zip(names, args, strict=False)), **kwargs}.items():
+        opaque = any(word in name for word in _OPAQUE_ARGS)
+        if opaque and isinstance(arg, torch.Tensor) and arg.untyped_storage() not in _grown:
+            return None
+    for leaf in pytree.tree_leaves((list(args), kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.device.type != "cpu" or leaf.layout != torch.strided:
+                return None
+            tensors += 1
+            parts.append(
+                (
+                    tuple(leaf.shape),
+                    tuple(leaf.stride()),
+                    leaf.storage_offset(),
+                    leaf.dtype,
+                    _grown.get(leaf.untyped_storage()),
+                )
+            )
+        elif leaf is None or isinstance(leaf, (bool, int, float, str, torch.dtype)):
+            parts.append(leaf)
+        elif isinstance(leaf, (torch.device, torch.layout, torch.memory_format)):
+            parts.append(str(leaf))
+        else:
+            return None  # a symbolic size, a generator ...: not a fixed configuration
+    return tuple(parts) if tensors else None
+
+
+def _zeros_like(t: torch.Tensor) -> torch.Tensor:
+    # Zeros in the same layout: valid indices, finite values, a kernel's usual path. A
+    # workspace, at its real size.
+    grown = _grown.get(t.untyped_storage())
+    if grown is not None:
+        return torch.zeros(grown // t.element_size(), dtype=t.dtype)
+    span = extent(t) // t.element_size()
+    flat = torch.zeros(t.storage_offset() + span, dtype=t.dtype)
+    return flat.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _measure(
+    router: Any, func: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]
+) -> KernelMemory | None:
+    def real(leaf: object) -> object:
+        return _zeros_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+
+    # Under the caller's grad mode: some kernels choose by it (an RNN keeps its workspace for
+    # backward only with grad enabled); zeros need no grad, so nothing is recorded.
+    with _disable_current_modes():
+        call_args, call_kwargs = pytree.tree_map(real, (list(args), kwargs))
+        router.begin_record()
+        try:
+            out = func(*call_args, **call_kwargs)
+        except Exception:  # a configuration zeros cannot run: not measured, modelled
+            router.end_record()
+            return None
+        recording = Recording(*router.end_record())
+        results = tuple(
+            leaf.untyped_storage().nbytes()
+            for leaf in pytree.tree_leaves(out)
+            if isinstance(leaf, torch.Tensor)
+        )
+        del out
+    return KernelMemory(max(0, recording.live_peak() - recording.outliving_bytes), results)
