@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sharedmem as sm
@@ -136,6 +137,60 @@ def no_sync_accumulates_locally(rank: int, world: int) -> None:
         if last:
             for m in (eager, pooled):
                 m.zero_grad()
+
+
+@case
+def chunks_all_reduce_once_per_step(rank: int, world: int) -> None:
+    # A budgeted step in chunks: the chunks before the last under no_sync(), the last
+    # all-reducing the sum, as DDP's own accumulation over micro-batches does by hand.
+    from sharedmem._executor import distributed
+
+    torch.manual_seed(0)
+    model = _mlp()
+    eager = DDP(copy.deepcopy(model))
+    pooled = DDP(model)
+    step = sm.pooled_train_step(pooled, nn.functional.mse_loss, pool=sm.BufferPool("cpu"), chunks=3)
+    # The eager fitted step too: DDP's reducer all-reduces in C++, counted by a comm hook.
+    fitted = DDP(copy.deepcopy(model))
+    hooked: list[int] = []
+
+    # No annotations: DDP compares them with its classes, and this file's are strings.
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        hooked.append(1)
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+    fitted.register_comm_hook(None, hook)
+    fit = sm.fit_step(fitted, nn.functional.mse_loss, chunks=3)
+    calls: list[int] = []
+    reduce = distributed.dist.all_reduce
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return reduce(*args, **kwargs)  # type: ignore[arg-type]
+
+    distributed.dist.all_reduce = counted  # type: ignore[assignment]
+    try:
+        for i in range(3):
+            x, y = _batch(eager, rank, i, batch=9)
+            for m in (eager, pooled, fitted):
+                m.zero_grad(set_to_none=True)
+            for k, (cx, cy) in enumerate(zip(x.chunk(3), y.chunk(3), strict=True)):
+                with eager.no_sync() if k < 2 else _nothing():
+                    (nn.functional.mse_loss(eager(cx), cy) / 3).backward()
+            before = len(calls)
+            step(x, y)
+            # The MLP's gradients fill one bucket: one all-reduce per step, not one per chunk.
+            assert len(calls) - before == 1, f"step {i}: {len(calls) - before} all-reduces"
+            before = len(hooked)
+            fit(x, y)
+            assert len(hooked) - before == 1, f"fit_step {i}: {len(hooked) - before} all-reduces"
+            for other in (pooled, fitted):
+                pairs = zip(eager.named_parameters(), other.parameters(), strict=True)
+                for (name, a), b in pairs:
+                    assert a.grad is not None and b.grad is not None
+                    assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
+    finally:
+        distributed.dist.all_reduce = reduce
 
 
 class _nothing:
@@ -299,6 +354,10 @@ def test_gradients_losses_and_buffers_equal_eager_ddp(
 
 def test_no_sync_steps_skip_the_all_reduce(ranks: Ranks) -> None:
     _check(ranks, "no_sync_accumulates_locally")
+
+
+def test_chunks_all_reduce_once_per_step_under_ddp(ranks: Ranks) -> None:
+    _check(ranks, "chunks_all_reduce_once_per_step")
 
 
 def test_evaluation_after_training_adds_zero_bytes_on_every_rank(

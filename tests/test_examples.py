@@ -91,7 +91,7 @@ def test_where_memory_goes_explains_each_phase_and_agrees_with_the_estimate(
     out = capsys.readouterr().out
     assert "live at each phase's end" in out and "the estimate (made before running)" in out
     est, tracked = result["estimate"], result["tracked"]
-    # The loop drops its output before backward, as the estimate assumes: the same peak.
+    # The loop holds its output through backward, as the estimate assumes: the same peak.
     assert result["tracked_peak"] == est.train_peak_eager
     for key in ("parameters", "gradients", "optimizer_state", "inputs", "activations"):
         assert tracked[key] == est.train_bytes[key], key

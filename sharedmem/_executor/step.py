@@ -102,9 +102,13 @@ class PooledTrainStep(Executor):
         result: torch.Tensor = loss if compiled.owned[0] else loss.clone()
         return result
 
-    def memory_plan(self, inputs: object, targets: object = None) -> MemoryPlan:
+    def memory_plan(
+        self, inputs: object, targets: object = None, *, with_grads: bool | None = None
+    ) -> MemoryPlan:
         """The memory a call with ``inputs`` and ``targets`` would plan, traced but not run
-        (nothing is allocated in the pool)."""
+        (nothing is allocated in the pool). ``with_grads``: planned as if every parameter
+        had a ``.grad`` to add into (``True``: a chunk after the first), or none had
+        (``False``); by default, as the parameters' ``.grad`` stand now."""
         binding, state = self._state()
         x, y = flatten(inputs, "inputs"), flatten(self.check_targets(targets), "targets")
         key = (state.key, x.key, y.key, self._mode())
@@ -113,7 +117,11 @@ class PooledTrainStep(Executor):
             self._check_devices(state, x, y)
             traced = trace_train(self.model, self.loss_fn, binding, state, x, y)
             self._traced[key] = traced
-        present = () if self._sync is not None else tuple(p.grad is not None for p in state.params)
+        present: tuple[bool, ...] = ()
+        if self._sync is None:
+            present = tuple(
+                p.grad is not None if with_grads is None else with_grads for p in state.params
+            )
         recorded = self._recorded((*key, present), returned_bytes(traced.gm))
         traced = self._with_grads(traced, state, present)
         return recorded or self._memory_plan(traced, outputs_in_pool=False)
@@ -125,7 +133,11 @@ class PooledTrainStep(Executor):
         gm = relayout(traced.gm, state.params, fresh)
         if any(present):
             first_data = len(state.params) + len(state.buffers)
-            gm = accumulating(gm, [p.grad for p in state.params], first_data)
+            # A gradient planned for but not there yet (``memory_plan(with_grads=True)``)
+            # stands in by its parameter: a gradient takes its parameter's layout.
+            grads = [(p.grad if p.grad is not None else p) if there else None
+                     for p, there in zip(state.params, present, strict=True)]  # fmt: skip
+            gm = accumulating(gm, grads, first_data)
         return traced if gm is traced.gm else dataclasses.replace(traced, gm=gm)
 
     def check_targets(self, targets: object) -> object:

@@ -10,15 +10,18 @@ need falls as chunks get smaller); each distinct chunk shape is planned once.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .._errors import OutOfMemoryError
 from .._executor import PooledForward, PooledTrainStep
 from .._executor.calling import OwnLoss, call_model, check_targets, plain_mapping
+from .._executor.executor import MemoryPlan
 from .._pool import BufferPool
 from .._pool.report import human_bytes
 from .budget import ChunkNeed, Need, budget_bytes, check_budget
@@ -295,8 +298,14 @@ class FittedTrainStep(Fitted):
             return self.step(inputs, targets)
         self._say(chunks)
         total: torch.Tensor | None = None
-        for part in self.splitter.split(inputs, targets, chunks):
-            loss = self._run_chunk(part)
+        parts = self.splitter.split(inputs, targets, chunks)
+        ddp = self.step.ddp
+        for k, part in enumerate(parts):
+            # Under DDP the chunks before the last accumulate locally (``no_sync()``, as DDP's
+            # own gradient accumulation) and the last all-reduces the sum: one all-reduce of
+            # each bucket per step, whatever the number of chunks.
+            with ddp.no_sync() if ddp is not None and k < len(parts) - 1 else nullcontext():
+                loss = self._run_chunk(part)
             total = loss if total is None else total + loss
         assert total is not None
         return total
@@ -307,8 +316,10 @@ class FittedTrainStep(Fitted):
     def _weighted_step(self) -> PooledTrainStep:
         if self._weighted is None:
             step = self.step
+            # The DDP wrapper where there is one: each chunk's gradients go to its buckets.
+            model = step.model if step.ddp is None else step.ddp
             self._weighted = PooledTrainStep(
-                step.model, WeightedLoss(step.loss_fn), step.pool, step.plan, step.prefix
+                model, WeightedLoss(step.loss_fn), step.pool, step.plan, step.prefix
             )
             self._weighted.routing = step.routing
         return self._weighted
@@ -320,20 +331,34 @@ class FittedTrainStep(Fitted):
         return self._weighted_step()(part.inputs, (part.targets, weight))
 
     def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
-        if chunks == 1 or not self._weights():
-            plan = self.step.memory_plan(part.inputs, part.targets)
-        else:
+        def plan(with_grads: bool) -> MemoryPlan:
+            if chunks == 1 or not self._weights():
+                return self.step.memory_plan(part.inputs, part.targets, with_grads=with_grads)
             weight = torch.zeros((), dtype=torch.float64, device=self.step.device)
-            plan = self._weighted_step().memory_plan(part.inputs, (part.targets, weight))
-        rounding = round_for(str(self.device))
-        held_grads = _grad_bytes(self.model, rounding) if accumulating or chunks > 1 else 0
-        beside = {
-            # The plan's timeline at its busiest: unpooled results, their scratch, and the
-            # new gradients (those not added into existing ones inside the graph).
-            "beside the pool (new gradients included)": plan.beside_peak,
-            "gradients held between chunks": held_grads,
+            step = self._weighted_step()
+            return step.memory_plan(part.inputs, (part.targets, weight), with_grads=with_grads)
+
+        # The plan's timeline at its busiest: unpooled results, their scratch, and the new
+        # gradients. A chunk that adds into gradients already there (every chunk after the
+        # first) adds each where backward makes it final, beside the gradients held.
+        if not accumulating:
+            first = plan(False)
+            if chunks == 1:
+                return ChunkNeed({"beside the pool (new gradients included)": first.beside_peak},
+                                 first.slot_bytes)  # fmt: skip
+        later = plan(True)
+        held = {
+            "gradients held between chunks": _grad_bytes(self.model, round_for(str(self.device))),
+            "beside the pool": later.beside_peak,
         }
-        return ChunkNeed(beside, plan.slot_bytes)
+        slots = dict(later.slot_bytes)
+        if accumulating:
+            return ChunkNeed(held, slots)
+        for name, nbytes in first.slot_bytes.items():
+            slots[name] = max(slots.get(name, 0), nbytes)
+        if first.beside_peak > sum(held.values()):
+            return ChunkNeed({"beside the pool (new gradients included)": first.beside_peak}, slots)
+        return ChunkNeed(held, slots)
 
     def _give_back(self) -> bool:
         return give_back_slots(self.step)
@@ -441,11 +466,15 @@ class FitStep(Fitted):
             parts = self.splitter.split(inputs, targets, chunks)
         weigh = chunks > 1 and (self.reduction == "mean" or self.splitter.user_split is not None)
         total: torch.Tensor | None = None
-        for part in parts:
-            loss = self.loss_fn(call_model(self.model, part.inputs), part.targets)
-            if weigh:
-                loss = loss * part.weight
-            loss.backward()  # type: ignore[no-untyped-call]
+        ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
+        for k, part in enumerate(parts):
+            # Under DDP, as in the pooled step: one all-reduce per step, in the last chunk.
+            quiet = ddp is not None and k < len(parts) - 1
+            with ddp.no_sync() if ddp is not None and quiet else nullcontext():
+                loss = self.loss_fn(call_model(self.model, part.inputs), part.targets)
+                if weigh:
+                    loss = loss * part.weight
+                loss.backward()  # type: ignore[no-untyped-call]
             loss = loss.detach()
             total = loss if total is None else total + loss
         assert total is not None

@@ -109,6 +109,10 @@ def pooled_train_step(
     the biggest consumers. Batch norm in training mode reads the batch as a whole, so its
     statistics (and results) differ between chunked and unchunked steps: the first chunked
     call warns. ``step.chunks_for(inputs, targets)`` and ``step.report()`` say what was chosen.
+    Under DDP the chunks before the last run under ``no_sync()``: one all-reduce per step. A
+    call that fails part way (an error in its third chunk) leaves the gradients of the
+    chunks already run added into ``p.grad``, as eager gradient accumulation over
+    micro-batches would: zero them (``optimizer.zero_grad()``) before running the batch again.
 
     Args:
         model: the module; on the pool's device (``"emulated"`` pools take CPU modules).
