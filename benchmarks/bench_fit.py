@@ -41,7 +41,7 @@ Built = tuple[nn.Module, torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]
 
 
 def _mlp() -> Built:
-    return mlp(), torch.randn(512, 256), torch.randint(0, 10, (512,)), F.cross_entropy
+    return mlp(), torch.randn(512, 784), torch.randint(0, 10, (512,)), F.cross_entropy
 
 
 def _resnet18() -> Built:
@@ -117,7 +117,7 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
             continue
         cases = _cases(built)
         times = interleaved(
-            cases, rounds=5 if quick else 15, number=1, progress=progress, label=name
+            cases, rounds=5 if quick else 21, number=1, progress=progress, label=name
         )
         rows.append(
             row(

@@ -133,9 +133,8 @@ class Executor:
         self._last: Compiled | None = None
         self._binding: Binding | None = None
         self._trains = False  # a train step (its arena grows for it), not a forward
-        # Served through the routing allocator where it can be (see ``_routed``) when set
-        # before the first call. Off by default for now: budgets, the estimate before a call
-        # and a signature's recording call are not planned with the router yet.
+        # Served through the routing allocator where it can be (see ``_routed``); set before
+        # the first call to plan with ``out=`` kernels only.
         self.routing = True
 
     def _state(self) -> tuple[Binding, State]:
@@ -268,11 +267,9 @@ class Executor:
         """Whether a call's allocations are served by the routing allocator: on a CPU (or
         emulated) pool with the liveness plan, where the router could be built, unless the
         outputs are asked for as pool views (they outlive the call, so only the slot plan
-        can place them), or the pool has a limit or the step a budget (the slot plan keeps to
-        those; the router's plan does not take one yet)."""
+        can place them). A pool's limit caps the arena (what does not fit runs beside it)."""
         return (
             self.routing
-            and self.pool.limit is None
             and self.plan == "liveness"
             and not outputs_in_pool
             and self._device_type == "cpu"
@@ -284,11 +281,15 @@ class Executor:
         growing anything (the planning layer's estimate stands on this)."""
         traced, _ = self._recompute(traced)
         analysis = analyse(traced.gm, self.device)
-        plan = self._plan(analysis, traced, outputs_in_pool, routed=self._routed(outputs_in_pool))
+        routed = self._routed(outputs_in_pool)
+        plan = self._plan(analysis, traced, outputs_in_pool, routed=routed)
+        # A routed step's arena grows when its signature is recorded, not when it compiles:
+        # what it will ask of the pool is the router's planned arena.
+        slot_bytes = {n: round_up(b, 16) for n, b in plan.alone.items()} if routed else None
         return MemoryPlan(
             pooled_bytes=sum(round_up(n, 16) for n in plan.alone.values()),
             unpooled_bytes=plan.unpooled_bytes,
-            slot_bytes=plan.slot_bytes,
+            slot_bytes=plan.slot_bytes if slot_bytes is None else slot_bytes,
             returned_bytes=returned_bytes(traced.gm),
             beside_peak=plan.beside_peak,
         )
@@ -348,6 +349,7 @@ class Executor:
                 recording,
                 capacity=existing.get(f"{self.prefix}0", 0),
                 granularity=self.pool.granularity,
+                ceiling=self.pool.growth_room(f"{self.prefix}0"),  # a pool limit, as the router
             )
             offsets = [None] * len(joined)
             names: list[str | None] = [None] * len(joined)

@@ -152,7 +152,6 @@ def pooled_train_step(
     if budget is None and chunks is None:
         return step
     splitter = Splitter(batch_dim, split)
-    step.routing = False  # budgets are planned on the slot plan
     return FittedTrainStep(
         step, budget=budget, chunks=chunks, reduction=reduction, splitter=splitter
     )
@@ -212,7 +211,6 @@ def pooled_forward(
     forward = PooledForward(model, pool, plan, prefix, outputs_in_pool)
     if budget is None and chunks is None:
         return forward
-    forward.routing = False  # budgets are planned on the slot plan
     return FittedForward(forward, budget=budget, chunks=chunks, splitter=Splitter(batch_dim))
 
 
