@@ -222,8 +222,10 @@ class Executor:
         """
         traced, recomputed = self._recompute(traced)
         gm = traced.gm
-        analysis = analyse(gm, self.device)
         routed = self._routed(outputs_in_pool)
+        # A routed call's first run records its allocations, kernels' scratch included:
+        # measuring the kernels beforehand would cost time for nothing.
+        analysis = analyse(gm, self.device, measure=not routed)
         plan = self._plan(analysis, traced, outputs_in_pool, routed=routed)
         for name, nbytes in plan.slot_bytes.items():
             # Grow now, once: views fetched during a call then never see a growth.

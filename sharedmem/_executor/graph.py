@@ -124,8 +124,10 @@ def _results(node: Node) -> list[object]:
     return list(val) if isinstance(val, (tuple, list)) else [val]
 
 
-def analyse(gm: GraphModule, device: torch.device) -> Analysis:
-    """Decide how each node runs on ``device`` and when each pooled result dies."""
+def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> Analysis:
+    """Decide how each node runs on ``device`` and when each pooled result dies; with
+    ``measure``, kernels' scratch and real result sizes are measured (``kernel_memory``)
+    where they can be, else modelled."""
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     inputs: set[StorageWeakRef] = set()  # storages of placeholders and constants
@@ -159,7 +161,7 @@ def analyse(gm: GraphModule, device: torch.device) -> Analysis:
         if node.op == "call_function":
             rule = _rule(node, device, all_fresh=len(set(keys) - seen) == len(results))
             if rule.kind is Kind.PLAIN:
-                measured = _measured(node, results)
+                measured = _measured(node, results) if measure else None
                 for k, (r, key) in enumerate(zip(results, keys, strict=True)):
                     if key not in seen and key not in plain_owner:
                         plain_owner[key] = len(plain)
