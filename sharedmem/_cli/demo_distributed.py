@@ -23,7 +23,8 @@ from .._errors import SharedMemError
 from .._planning import pooled_forward, pooled_train_step
 from .._pool import BufferPool
 from .._pool.report import human_bytes
-from .demo import DemoConfig, SyntheticData, demo_verdict
+from .demo import demo_verdict
+from .demo_data import DemoConfig, SyntheticData
 
 __all__ = ["RankMemory", "run_distributed_demo"]
 

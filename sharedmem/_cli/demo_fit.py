@@ -22,7 +22,7 @@ from .._planning.fit import FittedTrainStep
 from .._planning.steps import pooled_train_step
 from .._pool import BufferPool
 from .._pool.report import human_bytes
-from .demo import DemoConfig, SyntheticData, initial_weights
+from .demo_data import DemoConfig, SyntheticData, initial_weights
 
 __all__ = ["BATCH_FACTOR", "STEPS", "run_fit_demo"]
 
