@@ -6,11 +6,19 @@ Nothing here touches CUDA unless a CUDA device is asked for, so importing shared
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ._errors import SharedMemError
 
-__all__ = ["DeviceLike", "available_devices", "normalize_device", "require_usable"]
+__all__ = [
+    "DeviceLike",
+    "available_devices",
+    "machine_available_bytes",
+    "normalize_device",
+    "require_usable",
+]
 
 DeviceLike = str | torch.device
 
@@ -81,3 +89,15 @@ def require_usable(device: str) -> None:
         f"Devices that work here: {', '.join(repr(d) for d in available_devices())}. "
         "Use 'emulated' to exercise host/device code without a GPU."
     )
+
+
+def machine_available_bytes() -> int:
+    """The memory the operating system can give without swapping (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -335,6 +335,12 @@ def test_kernels_are_measured_once_per_configuration_and_random_ones_never(
         state = torch.get_rng_state()
         dropout = torch.ops.aten.native_dropout.default
         assert kernels.kernel_memory(dropout, (x, 0.5, True), {}) is None
+        # A configuration too big for the machine (an estimate of a step that would not
+        # run) is never run: modelled instead.
+        monkeypatch.setattr(kernels, "machine_available_bytes", lambda: 4 * 1024)
+        grad3, x3 = (fake.from_tensor(torch.zeros(3, 96, 2, 2)) for _ in range(2))
+        big = (grad3, x3, *args[2:])
+        assert kernels.kernel_memory(conv, big, {}) is None  # and not run: see ``runs``
     assert torch.equal(torch.get_rng_state(), state)  # the caller's generator untouched
     assert first is not None and first == again and runs == [conv]
     assert first.results == (2 * 96 * 4 * 4, 96 * 96 * 9 * 4, 96 * 4)  # the results' bytes

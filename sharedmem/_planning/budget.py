@@ -10,11 +10,11 @@ pool's. A pool with a limit caps its own buffers on top of any budget.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
+from .._devices import machine_available_bytes
 from .._pool import BufferPool
 from .._pool.report import human_bytes
 
@@ -98,18 +98,6 @@ def check_budget(budget: object, chunks: object) -> int | str | None:
                 "chunks, not both"
             )
     return budget
-
-
-def machine_available_bytes() -> int:
-    """The memory the operating system can give without swapping (``MemAvailable``)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def budget_bytes(budget: int | str, device: torch.device, pool: BufferPool | None) -> int:

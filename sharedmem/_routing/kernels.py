@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .._devices import machine_available_bytes
 from .._layout import extent
 from .native import native
 from .plan import Recording
@@ -81,7 +82,7 @@ def kernel_memory(
         found = _cache.get(key, _MISSING)
     if found is _MISSING:
         router = native()
-        if router is None or router.active():
+        if router is None or router.active() or not _affordable(args, kwargs, results):
             return None
         found = _measure(router, func, args, kwargs)
         with _lock:
@@ -91,6 +92,17 @@ def kernel_memory(
             if real > fake.untyped_storage().nbytes():
                 _grown[fake.untyped_storage()] = real
     return found if isinstance(found, KernelMemory) else None
+
+
+def _affordable(
+    args: Sequence[Any], kwargs: dict[str, Any], results: Sequence[torch.Tensor]
+) -> bool:
+    # An estimate is often asked for a step too big to run: one op's zeros and results (its
+    # scratch is usually smaller) are measured only where they take at most a quarter of
+    # what the machine has free; else the kernel's scratch is modelled.
+    tensors = [t for t in pytree.tree_leaves((list(args), kwargs)) if isinstance(t, torch.Tensor)]
+    need = sum(extent(t) for t in tensors) + sum(extent(t) for t in results)
+    return need <= machine_available_bytes() // 4
 
 
 def _measured_kind(func: object) -> TypeGuard[OpOverload]:
