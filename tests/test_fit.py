@@ -416,3 +416,40 @@ def test_bad_arguments_say_what_is_wrong() -> None:
         step(torch.randn(8, 12), torch.randn(6, 5))
     with pytest.raises(ValueError, match=r"^sharedmem: to split a batch"):
         step(torch.randn(8, 12), torch.tensor(1.0))
+
+
+# Recomputation before chunks (issue 24): where computing convolutions and matrix products
+# again in backward fits the whole batch, the step computes exactly the unbudgeted step.
+
+
+def deep_cnn(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, padding=1)]
+    for _ in range(6):
+        layers += [nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
+
+
+def test_a_budget_recomputation_meets_runs_the_whole_batch_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 32, 32, generator=gen), torch.randn(32, 5, generator=gen)
+    plain = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"))
+    planned = plain.memory_plan(x, y)
+    unchunked = planned.pooled_bytes + planned.beside_peak
+    budget = int(unchunked * 0.8)
+    pool = sm.BufferPool("cpu")
+    fitted = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=pool, budget=budget)
+    assert fitted.chunks_for(x, y) == 1 and fitted.recomputing
+    assert "computing convolutions and matrix products again" in fitted.report()
+    expected, loss = plain(x, y), fitted(x, y)
+    assert torch.equal(loss, expected)  # the same computation: batch norm saw the whole batch
+    pairs = zip(plain.model.parameters(), fitted.model.parameters(), strict=True)
+    assert all(torch.equal(a.grad, b.grad) for a, b in pairs)  # type: ignore[arg-type]
+    fitted.model.zero_grad(set_to_none=True)
+    held = allocator_peak(functools.partial(fitted, x, y)) + pool.stats()["reserved_bytes"]
+    assert held <= budget, (held, budget)
+    # Below what recomputation reaches, chunks as before.
+    low = sm.pooled_train_step(
+        deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=int(unchunked * 0.3)
+    )
+    assert low.chunks_for(x, y) > 1 and not low.recomputing

@@ -136,6 +136,9 @@ class Executor:
         # Served through the routing allocator where it can be (see ``_routed``); set before
         # the first call to plan with ``out=`` kernels only.
         self.routing = True
+        # Also recompute convolutions and matrix products (time for memory): set by a budget
+        # that the step meets this way without chunks; part of every compiled step's key.
+        self.recompute_heavy = False
 
     def _state(self) -> tuple[Binding, State]:
         binding = self._binding
@@ -301,7 +304,7 @@ class Executor:
         ``recompute``), and how many; the per-node baseline keeps the graph as traced."""
         if self.plan != "liveness":
             return traced, 0
-        gm, count = recompute(traced.gm)
+        gm, count = recompute(traced.gm, heavy=self.recompute_heavy)
         return (dataclasses.replace(traced, gm=gm), count) if count else (traced, 0)
 
     def _plan(

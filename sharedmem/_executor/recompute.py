@@ -45,11 +45,19 @@ _IDENTITY = frozenset({aten.detach.default, aten.alias.default})
 _BATCH_NORM = aten.native_batch_norm.default
 _LAYER_NORM = aten.native_layer_norm.default
 _MULTI = frozenset({_BATCH_NORM, _LAYER_NORM})  # recomputed for their output (getitem 0)
+# Recomputed only when time is given for memory (``heavy``): deterministic on the same inputs
+# (the same kernel, the same threads, the same bits), but a convolution or a matrix product
+# is a step's real work, so each costs time.
+_HEAVY = frozenset(
+    {aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default}
+)
+HEAVY_MIN_GAP = 4
 
 
-def recompute(gm: GraphModule) -> tuple[GraphModule, int]:
+def recompute(gm: GraphModule, *, heavy: bool = False) -> tuple[GraphModule, int]:
     """A copy of ``gm`` whose cheap long-idle values are computed again where read late, and
-    how many were (``gm`` itself when none is)."""
+    how many were (``gm`` itself when none is). ``heavy``: convolutions and matrix products
+    too, and shorter gaps (time given for memory, to meet a budget without chunks)."""
     graph = Graph()
     copies: dict[Node, Node] = {}
     out = graph.graph_copy(gm.graph, copies)
@@ -63,10 +71,10 @@ def recompute(gm: GraphModule) -> tuple[GraphModule, int]:
     while changed:  # the busiest node moves as values are recomputed: look again
         changed = False
         for node in list(graph.nodes):
-            value = _value(node)
+            value = _value(node, heavy)
             if value is None or value not in index.position:
                 continue
-            if _recompute_one(graph, index, value, fakes):
+            if _recompute_one(graph, index, value, fakes, heavy):
                 count += 1
                 changed = True
                 index = _Index(graph)
@@ -146,21 +154,23 @@ class _Index:
         return any(self.position[r] >= at for r in self.readers(key))
 
 
-def _value(node: Node) -> Node | None:
+def _value(node: Node, heavy: bool = False) -> Node | None:
     """The value ``node`` makes that could be recomputed: the node itself for a pointwise op,
     the output (``getitem 0``) of a batch norm in training mode."""
     if node.op != "call_function":
         return None
     if node.target is operator.getitem and node.args[1] == 0:
         producer = node.args[0]
-        return node if isinstance(producer, Node) and _recomputable(producer) else None
-    return node if _recomputable(node) and node.target not in _MULTI else None
+        return node if isinstance(producer, Node) and _recomputable(producer, heavy) else None
+    return node if _recomputable(node, heavy) and node.target not in _MULTI else None
 
 
-def _recomputable(node: Node) -> bool:
+def _recomputable(node: Node, heavy: bool = False) -> bool:
     target = node.target
     if not isinstance(target, OpOverload):
         return False
+    if heavy and target in _HEAVY:
+        return isinstance(node.meta.get("val"), torch.Tensor)
     if target is _BATCH_NORM:
         return len(node.args) > 5 and node.args[5] is True
     if target is _LAYER_NORM:
@@ -199,7 +209,9 @@ def _only_views(index: _Index, value: Node) -> bool:
     return True
 
 
-def _recompute_one(graph: Graph, index: _Index, value: Node, fakes: object) -> bool:
+def _recompute_one(
+    graph: Graph, index: _Index, value: Node, fakes: object, heavy: bool = False
+) -> bool:
     key = index.key.get(value)
     if key is None or not _only_views(index, value):
         return False
@@ -212,12 +224,12 @@ def _recompute_one(graph: Graph, index: _Index, value: Node, fakes: object) -> b
     at = points[split]
     # Only a value idle across the step's busiest node lowers its peak; others would cost
     # time for nothing.
-    if gap < MIN_GAP or not points[split - 1] < index.busiest < at:
+    if gap < (HEAVY_MIN_GAP if heavy else MIN_GAP) or not points[split - 1] < index.busiest < at:
         return False
     late = [r for r in readers if index.position[r] >= at]
     if any(_writes(r) for r in late):
         return False
-    chain = _chain(index, value, at, 0)
+    chain = _chain(index, value, at, 0, heavy)
     if chain is None:
         return False
     first_late = index.nodes[at]
@@ -265,7 +277,9 @@ def _writes(node: Node) -> bool:
     )
 
 
-def _chain(index: _Index, value: Node, at: int, depth: int) -> list[Node] | None:
+def _chain(
+    index: _Index, value: Node, at: int, depth: int, heavy: bool = False
+) -> list[Node] | None:
     """The values to compute again at position ``at`` to have ``value`` there, inputs
     first; ``None`` where some input is neither alive there nor cheaply recomputed."""
     producer = value.args[0] if value.target is operator.getitem else value
@@ -277,9 +291,9 @@ def _chain(index: _Index, value: Node, at: int, depth: int) -> list[Node] | None
             return None  # written in place since (a recurrent state): not the same inputs
         if index.alive_at(arg, at):
             continue
-        if depth + 1 >= MAX_CHAIN or _value(arg) is not arg or not _only_views(index, arg):
+        if depth + 1 >= MAX_CHAIN or _value(arg, heavy) is not arg or not _only_views(index, arg):
             return None
-        sub = _chain(index, arg, at, depth + 1)
+        sub = _chain(index, arg, at, depth + 1, heavy)
         if sub is None:
             return None
         chain += [n for n in sub if n not in chain]

@@ -86,6 +86,10 @@ class Fitted:
         self._chosen: dict[tuple[object, ...], int] = {}
         self._counts: dict[str, int] = {}  # signature label -> chunks, for reading
         self._said: dict[str, list[bool]] = {}
+        # Signatures (count keys) met in one chunk by recomputing more (``_recomputes``), and
+        # whether the latest count chosen is one of them.
+        self._recomputed: set[tuple[object, ...]] = set()
+        self.recomputing = False
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -104,6 +108,12 @@ class Fitted:
         head = f"budget {self.budget!r}" if self.fixed is None else f"fixed {self.fixed} chunks"
         rows = [f"chunks per batch signature ({head}):"]
         rows += [f"  {label:<48}{n:>6}" for label, n in self._counts.items()]
+        if self._recomputed:
+            rows.append(
+                f"  {len(self._recomputed)} signature(s) fit in one chunk by computing "
+                "convolutions and matrix products again in backward (the same step, bit for "
+                "bit, at the cost of that time)"
+            )
         return "\n".join(rows)
 
     # ---- choosing ---------------------------------------------------------------------------
@@ -124,10 +134,22 @@ class Fitted:
         key = (signature(inputs, targets), budget, limit, accumulating)
         chosen = self._chosen.get(key)
         if chosen is None:
-            chosen = self._search(inputs, targets, total, budget, limit, accumulating)
+            if self._recomputes(inputs, targets, budget, limit, accumulating):
+                self._recomputed.add(key)
+                chosen = 1
+            else:
+                chosen = self._search(inputs, targets, total, budget, limit, accumulating)
             self._chosen[key] = chosen
             self._remember(inputs, targets, chosen)
+        self.recomputing = key in self._recomputed
         return chosen
+
+    def _recomputes(
+        self, inputs: object, targets: object, budget: int, limit: int | None, accumulating: bool
+    ) -> bool:
+        """Whether the whole batch fits the budget by recomputing more in one chunk (the
+        same computation, unlike chunks), where it does not as planned by default."""
+        return False
 
     def _remember(self, inputs: object, targets: object, chunks: int) -> None:
         shapes = [tuple(t.shape) for t in _tensors((inputs, targets))]
@@ -295,7 +317,11 @@ class FittedTrainStep(Fitted):
         inputs, targets = plain_mapping(inputs), self.step.check_targets(targets)
         chunks = self._count(inputs, targets, self._accumulating())
         if chunks == 1:
-            return self.step(inputs, targets)
+            self.step.recompute_heavy = self.recomputing
+            try:
+                return self.step(inputs, targets)
+            finally:
+                self.step.recompute_heavy = False
         self._say(chunks)
         total: torch.Tensor | None = None
         parts = self.splitter.split(inputs, targets, chunks)
@@ -329,6 +355,23 @@ class FittedTrainStep(Fitted):
             return self.step(part.inputs, part.targets)
         weight = torch.tensor(part.weight, dtype=torch.float64, device=self.step.device)
         return self._weighted_step()(part.inputs, (part.targets, weight))
+
+    def _recomputes(
+        self, inputs: object, targets: object, budget: int, limit: int | None, accumulating: bool
+    ) -> bool:
+        # Before chunks, which change what batch-wide modules see and the order of the sums:
+        # the whole batch with convolutions and matrix products computed again in backward.
+        if self.step.plan != "liveness":
+            return False
+        first = self._need(inputs, targets, 1, accumulating)
+        if first is None or first.fits(budget, limit):
+            return False  # fits as it is (or cannot run): nothing to give time for
+        self.step.recompute_heavy = True
+        try:
+            need = self._need(inputs, targets, 1, accumulating)
+        finally:
+            self.step.recompute_heavy = False
+        return need is not None and need.fits(budget, limit)
 
     def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
         def plan(with_grads: bool) -> MemoryPlan:

@@ -98,7 +98,11 @@ def pooled_train_step(
     the fewest micro-batches ("chunks", split along ``batch_dim``) whose planned peak fits,
     chosen from the executor's plan before anything runs (no trial runs) and kept per input
     signature, so the same budget and shapes always give the same chunks; ``chunks=N`` fixes
-    the count instead. The gradients are accumulated into ``p.grad`` exactly: a
+    the count instead. Before chunks, a batch that does not fit as planned is tried in one
+    chunk with convolutions and matrix products computed again where backward reads them
+    (the same ops on the same inputs: bit for bit the unbudgeted step, at the cost of that
+    time); ``step.recomputing`` says whether the latest choice did. The gradients of chunks
+    are accumulated into ``p.grad`` exactly: a
     mean-reduced loss is weighted by each chunk's share of the batch, a sum-reduced one is
     summed, and the loss returned is the whole batch's. A budget covers what the step holds
     beyond what was there before it: the pool's buffers, what runs beside the pool and the
