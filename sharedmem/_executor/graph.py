@@ -211,11 +211,12 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     outputs = graph_outputs(nodes[-1])
     out_keys = [storages[o] if isinstance(o, Node) else set() for o in outputs]
     everything = [k for keys in out_keys for k in keys]
+    kept = set(everything)
     beside, beside_returned = [], []
     for (key, n, _), s, e in zip(plain, plain_starts, plain_ends, strict=True):
         if n:
             beside.append(Lifetime(n, s, e))
-            beside_returned.append(key in everything)
+            beside_returned.append(key in kept)
     returned = frozenset(owner[k] for k in everything if k in owner)
     returned_by = tuple(frozenset(owner[k] for k in keys if k in owner) for keys in out_keys)
     owned = tuple(
@@ -226,7 +227,6 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
         and _is_whole(o)
         for o, keys in zip(outputs, out_keys, strict=True)
     )
-    kept = set(everything)
     unpooled = [(n, op) for key, n, op in plain if key not in kept and n]
     ops = tuple(dict.fromkeys(op for _, op in unpooled))
     found = _inplace(steps, storages, owner, ends)

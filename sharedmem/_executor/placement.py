@@ -265,7 +265,16 @@ def as_recording(
     """The allocation sequence a graph's eager run makes, as the router would record it:
     ``dying`` values are freed after their last read, ``outliving`` ones never (they outlive
     the call), ``scratch`` is allocated and freed at its node. Planned with the router's own
-    ``choose_plan``, it stands for a routed step's plan before the step has run once."""
+    ``choose_plan``, it stands for a routed step's plan before the step has run once.
+
+    Example::
+
+        >>> from sharedmem._executor.plan import Lifetime
+        >>> # a value read last at node 1; a gradient made there; that node's scratch
+        >>> rec = as_recording([Lifetime(64, 0, 1)], [Lifetime(8, 1, 1)], [Lifetime(32, 1, 1)])
+        >>> list(rec.sizes), list(rec.alloc_at), list(rec.free_at)
+        ([64, 8, 32], [0, 1, 2], [4, -1, 3])
+    """
     sizes: list[int] = []
     events: list[tuple[int, int, int, bool]] = []  # (node, phase, allocation, allocates)
     for life, kind in (

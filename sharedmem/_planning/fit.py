@@ -286,6 +286,10 @@ def _tensors(tree: object) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def _new_grads(plan: MemoryPlan) -> dict[str, int]:
+    return {"beside the pool (new gradients included)": plan.beside_peak}
+
+
 def _grad_bytes(model: nn.Module, rounding: Callable[[int], int]) -> int:
     trainable = (p for p in model.parameters() if p.requires_grad)
     return sum(rounding(p.numel() * p.element_size()) for p in trainable)
@@ -384,23 +388,22 @@ class FittedTrainStep(Fitted):
         # The plan's timeline at its busiest: unpooled results, their scratch, and the new
         # gradients. A chunk that adds into gradients already there (every chunk after the
         # first) adds each where backward makes it final, beside the gradients held.
-        if not accumulating:
-            first = plan(False)
-            if chunks == 1:
-                return ChunkNeed({"beside the pool (new gradients included)": first.beside_peak},
-                                 first.slot_bytes)  # fmt: skip
+        first = None if accumulating else plan(False)
+        if first is not None and chunks == 1:
+            return ChunkNeed(_new_grads(first), first.slot_bytes)
         later = plan(True)
         held = {
             "gradients held between chunks": _grad_bytes(self.model, round_for(str(self.device))),
             "beside the pool": later.beside_peak,
         }
         slots = dict(later.slot_bytes)
-        if accumulating:
+        if first is None:
             return ChunkNeed(held, slots)
         for name, nbytes in first.slot_bytes.items():
             slots[name] = max(slots.get(name, 0), nbytes)
+        # The busiest chunk: the first (new gradients) or a later one (the gradients held).
         if first.beside_peak > sum(held.values()):
-            return ChunkNeed({"beside the pool (new gradients included)": first.beside_peak}, slots)
+            return ChunkNeed(_new_grads(first), slots)
         return ChunkNeed(held, slots)
 
     def _give_back(self) -> bool:
