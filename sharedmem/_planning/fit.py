@@ -10,7 +10,7 @@ need falls as chunks get smaller); each distinct chunk shape is planned once.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -134,11 +134,9 @@ class Fitted:
         key = (signature(inputs, targets), budget, limit, accumulating)
         chosen = self._chosen.get(key)
         if chosen is None:
-            if self._recomputes(inputs, targets, budget, limit, accumulating):
+            chosen, recomputes = self._search(inputs, targets, total, budget, limit, accumulating)
+            if recomputes:
                 self._recomputed.add(key)
-                chosen = 1
-            else:
-                chosen = self._search(inputs, targets, total, budget, limit, accumulating)
             self._chosen[key] = chosen
             self._remember(inputs, targets, chosen)
         self.recomputing = key in self._recomputed
@@ -147,8 +145,8 @@ class Fitted:
     def _recomputes(
         self, inputs: object, targets: object, budget: int, limit: int | None, accumulating: bool
     ) -> bool:
-        """Whether the whole batch fits the budget by recomputing more in one chunk (the
-        same computation, unlike chunks), where it does not as planned by default."""
+        """Whether the whole batch, which does not fit the budget as planned by default, fits
+        it by recomputing more in one chunk (the same computation, unlike chunks)."""
         return False
 
     def _remember(self, inputs: object, targets: object, chunks: int) -> None:
@@ -164,10 +162,11 @@ class Fitted:
         budget: int,
         limit: int | None,
         accumulating: bool,
-    ) -> int:
-        """Bisect for the fewest chunks that fit. If none does with the pool as it is (its
-        buffers were sized by other shapes), this step's own buffers are given back once and
-        the search runs again on what is left."""
+    ) -> tuple[int, bool]:
+        """Bisect for the fewest chunks that fit, and whether one chunk fits by recomputing
+        more (tried before any chunks: ``_recomputes``). If none does with the pool as it is
+        (its buffers were sized by other shapes), this step's own buffers are given back once
+        and the search runs again on what is left."""
         for attempt in range(2):
             needs: dict[int, Need | None] = {}
 
@@ -178,7 +177,9 @@ class Fitted:
                 return need is not None and need.fits(budget, limit)
 
             if fits(1):
-                return 1
+                return 1, False
+            if attempt == 0 and self._recomputes(inputs, targets, budget, limit, accumulating):
+                return 1, True
             low, high = 1, total  # low does not fit; high is the most there can be
             while high - low > 1:
                 middle = (low + high) // 2
@@ -187,7 +188,7 @@ class Fitted:
                 else:
                     low = middle
             if fits(high):
-                return high
+                return high, False
             if attempt == 0 and not self._give_back():
                 break
         self._refuse(inputs, targets, total, budget, limit, accumulating)
@@ -286,6 +287,15 @@ def _tensors(tree: object) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def _synced_last(
+    ddp: DistributedDataParallel | None, k: int, chunks: int
+) -> AbstractContextManager[object]:
+    """Under DDP the chunks before the last accumulate locally (``no_sync()``, as DDP's own
+    gradient accumulation) and the last all-reduces the sum: one all-reduce of each bucket
+    per step, whatever the number of chunks."""
+    return ddp.no_sync() if ddp is not None and k < chunks - 1 else nullcontext()
+
+
 def _new_grads(plan: MemoryPlan) -> dict[str, int]:
     return {"beside the pool (new gradients included)": plan.beside_peak}
 
@@ -329,12 +339,8 @@ class FittedTrainStep(Fitted):
         self._say(chunks)
         total: torch.Tensor | None = None
         parts = self.splitter.split(inputs, targets, chunks)
-        ddp = self.step.ddp
         for k, part in enumerate(parts):
-            # Under DDP the chunks before the last accumulate locally (``no_sync()``, as DDP's
-            # own gradient accumulation) and the last all-reduces the sum: one all-reduce of
-            # each bucket per step, whatever the number of chunks.
-            with ddp.no_sync() if ddp is not None and k < len(parts) - 1 else nullcontext():
+            with _synced_last(self.step.ddp, k, len(parts)):
                 loss = self._run_chunk(part)
             total = loss if total is None else total + loss
         assert total is not None
@@ -367,9 +373,6 @@ class FittedTrainStep(Fitted):
         # the whole batch with convolutions and matrix products computed again in backward.
         if self.step.plan != "liveness":
             return False
-        first = self._need(inputs, targets, 1, accumulating)
-        if first is None or first.fits(budget, limit):
-            return False  # fits as it is (or cannot run): nothing to give time for
         self.step.recompute_heavy = True
         try:
             need = self._need(inputs, targets, 1, accumulating)
@@ -514,9 +517,7 @@ class FitStep(Fitted):
         total: torch.Tensor | None = None
         ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
         for k, part in enumerate(parts):
-            # Under DDP, as in the pooled step: one all-reduce per step, in the last chunk.
-            quiet = ddp is not None and k < len(parts) - 1
-            with ddp.no_sync() if ddp is not None and quiet else nullcontext():
+            with _synced_last(ddp, k, len(parts)):
                 loss = self.loss_fn(call_model(self.model, part.inputs), part.targets)
                 if weigh:
                     loss = loss * part.weight
