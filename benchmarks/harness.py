@@ -276,9 +276,16 @@ class Run(Protocol):
 
 
 def script_main(
-    doc: str | None, run: Run, title: str, argv: list[str] | None = None, *, device: str = "cpu"
+    doc: str | None,
+    run: Run,
+    title: str,
+    argv: list[str] | None = None,
+    *,
+    device: str = "cpu",
+    draw: Callable[[Path], None] | None = None,
 ) -> list[Row]:
-    """The command line of every script here: ``[--quick] [--device D] [--json PATH]``.
+    """The command line of every script here: ``[--quick] [--device D] [--json PATH]``, and
+    ``[--png PATH]`` for a script that draws its figures (``draw``, called after the run).
 
     ``title`` may name ``{device}``. A CUDA device on a machine without a usable GPU skips the
     run with a line saying so (exit 0): the scripts stay runnable in CI everywhere.
@@ -288,6 +295,8 @@ def script_main(
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--device", default=device, help="cpu, emulated, cuda or cuda:N")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    if draw is not None:
+        parser.add_argument("--png", metavar="PATH", help="also draw the figures")
     args = parser.parse_args(argv)
     name = Path(sys.argv[0]).stem if argv is None else parser.prog
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -303,4 +312,6 @@ def script_main(
     print_rows(title.format(device=where), rows)
     if args.json:
         write_json(args.json, rows, **environment(where, args.quick))
+    if draw is not None and args.png and rows:
+        draw(Path(args.png))
     return rows

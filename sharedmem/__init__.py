@@ -24,6 +24,7 @@ from ._planning import (
     track_memory,
 )
 from ._pool import BufferPool
+from ._routing import install_cuda_router
 from ._synced import Head, SyncedMemory
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "backend_names",
     "estimate",
     "fit_step",
+    "install_cuda_router",
     "pooled_forward",
     "pooled_train_step",
     "save_on_pool",

@@ -273,3 +273,21 @@ def test_every_script_shares_one_command_line(tmp_path: Path) -> None:
     assert payload["meta"]["device"] == "emulated"
     for script in ROOT.glob("benchmarks/bench_*.py"):  # no script keeps an argparse of its own
         assert "argparse" not in script.read_text(), script.name
+
+
+@pytest.mark.slow
+def test_the_pareto_benchmark_measures_every_method_and_draws_them(tmp_path: Path) -> None:
+    import bench_pareto
+
+    found = bench_pareto.points(quick=True)
+    methods = {p.method for p in found}
+    assert methods == {"eager", "checkpoint", "planner"}  # --quick leaves compile out
+    assert all(p.peak > 0 and p.seconds > 0 for p in found)
+    rows = bench_pareto.all_rows(found)
+    eager = next(p for p in found if p.method == "eager")
+    lowest = min((p for p in found if p.method == "planner"), key=lambda p: p.peak)
+    # The planner's knob gives less memory than eager on an activation-heavy CNN.
+    assert lowest.peak < eager.peak
+    assert rows[-1]["value"] == lowest.peak and rows[-1]["baseline"] == eager.peak
+    bench_pareto.draw(found, tmp_path / "pareto.png")
+    assert (tmp_path / "pareto.png").read_bytes()[:4] == b"\x89PNG"

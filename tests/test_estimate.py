@@ -125,6 +125,35 @@ def test_the_pooled_estimate_is_the_plan_and_bounds_the_measured_peak(
     assert -0.01 * measured <= est.train_peak_pooled - measured <= 0.02 * measured, (est, measured)
 
 
+def deep_cnn() -> nn.Module:
+    # Activations well above the weights: recomputing convolutions has something to free.
+    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, padding=1)]
+    for _ in range(5):
+        layers += [nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def test_time_for_memory_is_what_a_step_with_that_slowdown_holds() -> None:
+    torch.manual_seed(1)
+    model = deep_cnn()
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    est = sm.estimate(model, x, y, loss_fn=F)
+    assert est.time_for_memory, "recomputation frees nothing on an activation-heavy CNN?"
+    peaks = [est.step_peak_pooled] + [peak for _, peak in est.time_for_memory]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+    cost, peak = est.time_for_memory[0]
+    assert 0 < cost <= 0.35
+    assert "time for memory" in est.report() and f"+{cost:.0%} time" in est.report()
+    # The figure is the step's: a step given that slowdown holds it (new gradients
+    # included, nothing else before it), measured by the allocator's events.
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(model, F, pool=pool, max_slowdown=1.35)
+    step(x, y)
+    model.zero_grad(set_to_none=True)
+    measured = allocator_peak(lambda: step(x, y)) + pool.stats()["reserved_bytes"]
+    assert abs(peak - measured) <= 0.03 * measured, (peak, measured)
+
+
 def test_categories_follow_the_optimizers_own_rules() -> None:
     model = mlp()
     x, y = batch(mlp)

@@ -122,9 +122,12 @@ def eager_grads(
     return [loss.detach(), *(p.grad for p in model.parameters())]
 
 
-def check(source: str, batches: list[int], device: str, plan: str) -> list[str]:
+def check(
+    source: str, batches: list[int], device: str, plan: str, heavy: bool = False
+) -> list[str]:
     """Run ``source`` eagerly and pooled in each mode, at each batch size in turn (one graph
-    each, on one pool); return the modes and batch sizes that differ from eager."""
+    each, on one pool); return the modes and batch sizes that differ from eager. ``heavy``:
+    the train step recomputes as much as lowers its peak (time given for memory)."""
     torch.manual_seed(0)
     base = build(source)().double()
     data = [
@@ -135,6 +138,7 @@ def check(source: str, batches: list[int], device: str, plan: str) -> list[str]:
     wrong = []
     model = copy.deepcopy(base)
     step = sm.pooled_train_step(model, loss_fn, pool=pool, plan=plan)
+    step.recompute_heavy = heavy
     for x, y in data:
         expected = eager_grads(copy.deepcopy(base), x, y)
         if expected is None:
@@ -183,12 +187,16 @@ def test_random_programs_equal_eager(seed: int) -> None:
         # Even cases are square, so that .t() keeps shapes; odd ones change the batch size.
         batches = [WIDTH] if case % 2 == 0 else rng.sample([3, 5, 11], 2)
         device, plan = rng.choice(["cpu", "emulated"]), rng.choice(["liveness", "per_node"])
+        heavy = rng.random() < 0.5
         source = draw(rng, batches[0], trainable=case % 4 < 2)
         if source is None:
             continue
-        what = f"seed {seed}, case {case} ({device} pool, {plan} plan, batches {batches})"
+        what = (
+            f"seed {seed}, case {case} ({device} pool, {plan} plan, batches {batches}, "
+            f"heavy recomputation {heavy})"
+        )
         try:
-            wrong = check(source, batches, device, plan)
+            wrong = check(source, batches, device, plan, heavy)
         except Exception as e:
             raise AssertionError(f"{what}: {e!r} for\n{source}") from e
         assert not wrong, f"{what}: {', '.join(wrong)} differ from eager for\n{source}"

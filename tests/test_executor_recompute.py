@@ -17,6 +17,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import sharedmem as sm
+from sharedmem._executor.cost import FLOPS_PER_BYTE, graph_cost, op_cost
+from sharedmem._executor.recompute import recompute
 from sharedmem.testing import allocator_peak
 
 
@@ -35,6 +37,32 @@ class Block(nn.Module):
         return torch.relu(self.bn2(self.conv2(out)) + x)
 
 
+class InplaceBlock(nn.Module):
+    """torchvision's basic block: ReLU(inplace=True) after each batch norm, ``out += x``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+def inplace_resnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        InplaceBlock(16), InplaceBlock(16), InplaceBlock(16),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )  # fmt: skip
+
+
 def resnet() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
@@ -49,7 +77,11 @@ def encoder() -> nn.Module:
 
 
 def test_recomputed_steps_equal_eager_bit_for_bit_and_update_statistics_once() -> None:
-    for make, shape in ((resnet, (8, 3, 16, 16)), (encoder, (8, 16, 32))):
+    for make, shape in (
+        (resnet, (8, 3, 16, 16)),
+        (inplace_resnet, (8, 3, 16, 16)),
+        (encoder, (8, 16, 32)),
+    ):
         torch.manual_seed(0)
         eager = make()
         pooled = copy.deepcopy(eager)
@@ -95,3 +127,110 @@ def test_recomputing_lowers_the_peak_below_eagers() -> None:
     want = allocator_peak(lambda: F.cross_entropy(eager(x), y).backward())
     # Each ReLU output after a batch norm is no longer kept from the forward to the backward.
     assert peaks["liveness"] <= 0.9 * want, (peaks, want)
+
+
+def _traced_resnet(batch: int = 16) -> torch.fx.GraphModule:
+    step = sm.pooled_train_step(resnet(), F.cross_entropy, pool=sm.BufferPool("cpu"))
+    x, y = torch.randn(batch, 3, 16, 16), torch.randint(0, 10, (batch,))
+    step.memory_plan(x, y)  # traces, runs nothing
+    (traced,) = step._traced.values()
+    return traced.gm
+
+
+def test_the_cost_model_counts_a_convolutions_flops_and_anything_elses_bytes() -> None:
+    gm = _traced_resnet(batch=4)
+    convolutions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution.default]
+    first = convolutions[0]  # 3 -> 16 channels, 3x3, on 4 x 16 x 16: 2 flops per multiply-add
+    assert op_cost(first) == 2 * (4 * 16 * 16 * 16) * (3 * 3 * 3)
+    relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default)
+    moved = 2 * relu.meta["val"].numel() * 4  # float32 in, float32 out
+    assert op_cost(relu) == moved * FLOPS_PER_BYTE
+    backward = next(
+        n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution_backward.default
+    )
+    assert op_cost(backward) > 0 and graph_cost(gm.graph) > op_cost(backward)
+
+
+def test_heavy_recomputation_stays_within_its_allowance_and_more_allowance_saves_more() -> None:
+    gm = _traced_resnet()
+    _, cheap = recompute(gm)
+    peaks = []
+    for allowance in (0.02, 0.1, 0.35, True):
+        out, count = recompute(gm, heavy=allowance)
+        assert count >= cheap  # the default's recomputation comes first, always
+        cost = out.meta["recompute_cost"]
+        if allowance is not True:
+            assert 0 <= cost <= allowance, (allowance, cost)
+        step = sm.pooled_train_step(resnet(), F.cross_entropy, pool=sm.BufferPool("cpu"))
+        step.recompute_heavy = allowance
+        x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+        plan = step.memory_plan(x, y)
+        peaks.append(plan.pooled_bytes + plan.beside_peak)
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0], peaks
+
+
+def test_values_written_in_place_are_recomputed_with_their_writes_bit_for_bit() -> None:
+    # torchvision's CNNs apply ReLU in place to each batch norm's output (and add residuals
+    # in place): the value backward reads is the storage after those writes, recomputed by
+    # running the batch norm again and replaying the writes on its new output.
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+    torch.manual_seed(0)
+    eager = inplace_resnet()
+    F.cross_entropy(eager(x), y).backward()
+    for heavy in (False, True):
+        torch.manual_seed(0)
+        model = inplace_resnet()
+        step = sm.pooled_train_step(model, F.cross_entropy, pool=sm.BufferPool("cpu"))
+        step.recompute_heavy = heavy
+        step.memory_plan(x, y)  # traces, runs nothing
+        (traced,) = step._traced.values()
+        graph = recompute(traced.gm, heavy=heavy)[0].graph
+        relus = [n for n in graph.nodes if n.target is torch.ops.aten.relu_.default]
+        # Seven in the model; more in the graph: writes replayed on recomputed values.
+        assert len(relus) > 7, "no in-place write was replayed"
+        assert torch.equal(step(x, y), F.cross_entropy(eager(x), y).detach())
+        for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (heavy, name)
+        eager.zero_grad(set_to_none=True)
+        F.cross_entropy(eager(x), y).backward()
+
+
+class Attention(nn.Module):
+    """GPT-2's attention: one matrix product makes q, k and v (split), then SDPA."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(batch, length, width))
+
+
+def test_heavy_recomputation_takes_attention_and_split_values_again_bit_for_bit() -> None:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*(Attention() for _ in range(4)), nn.Flatten(), nn.Linear(32 * 16, 10))
+
+    x, y = torch.randn(8, 16, 32), torch.randint(0, 10, (8,))
+    eager = make()
+    F.cross_entropy(eager(x), y).backward()
+    model = make()
+    step = sm.pooled_train_step(model, F.cross_entropy, pool=sm.BufferPool("cpu"))
+    step.recompute_heavy = True
+    step.memory_plan(x, y)
+    (traced,) = step._traced.values()
+    graph = recompute(traced.gm, heavy=True)[0].graph
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    forward = [n for n in traced.gm.graph.nodes if n.target is attention]
+    again = [n for n in graph.nodes if n.target is attention]
+    assert len(again) > len(forward) == 4  # some attention computed again in backward
+    assert torch.equal(step(x, y), F.cross_entropy(eager(x), y).detach())
+    for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name

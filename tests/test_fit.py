@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import sharedmem as sm
+from sharedmem._planning.fit import recompute_levels
 from sharedmem.testing import allocator_peak
 
 F = nn.functional
@@ -453,3 +454,81 @@ def test_a_budget_recomputation_meets_runs_the_whole_batch_bit_for_bit() -> None
         deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=int(unchunked * 0.3)
     )
     assert low.chunks_for(x, y) > 1 and not low.recomputing
+
+
+def _cnn_batch() -> tuple[torch.Tensor, torch.Tensor, int]:
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 32, 32, generator=gen), torch.randn(32, 5, generator=gen)
+    planned = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"))
+    plan = planned.memory_plan(x, y)
+    return x, y, plan.pooled_bytes + plan.beside_peak
+
+
+def test_a_budget_takes_the_least_recomputation_that_fits() -> None:
+    x, y, unchunked = _cnn_batch()
+    budget = int(unchunked * 0.9)
+    fitted = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=budget)
+    assert fitted.chunks_for(x, y) == 1 and fitted.recomputing
+    chosen = fitted.recompute_heavy
+    levels = recompute_levels(None)
+    assert chosen in levels and chosen is not True
+    # The setting before it (less recomputed) does not fit; the chosen one's cost is reported.
+    less = levels[levels.index(chosen) - 1] if levels.index(chosen) else False
+    fitted.step.recompute_heavy = less
+    assert not fitted._need(x, y, 1, False).fits(budget, None)  # type: ignore[union-attr]
+    fitted.step.recompute_heavy = False
+    fitted(x, y)
+    summary = fitted.step.plan_summary()
+    assert 0 < summary.recompute_cost <= float(chosen)
+    assert "modelled" in str(summary) and "modelled" in fitted.report()
+
+
+def test_max_slowdown_caps_the_recomputation_a_budget_may_choose() -> None:
+    x, y, unchunked = _cnn_batch()
+    budget = int(unchunked * 0.7)
+    pool = sm.BufferPool("cpu")
+    free = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=pool, budget=budget)
+    assert free.chunks_for(x, y) == 1 and free.recomputing
+    # 1.0: no time given up for memory: chunks meet the budget instead.
+    capped = sm.pooled_train_step(
+        deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=budget, max_slowdown=1.0
+    )
+    assert capped.chunks_for(x, y) > 1 and not capped.recomputing
+
+
+def test_max_slowdown_alone_gives_the_least_memory_within_it_bit_for_bit() -> None:
+    x, y, unchunked = _cnn_batch()
+    peaks = {}
+    for slowdown in (1.05, 1.2, 1.5):
+        step = sm.pooled_train_step(
+            deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), max_slowdown=slowdown
+        )
+        plan = step.memory_plan(x, y)
+        peaks[slowdown] = plan.pooled_bytes + plan.beside_peak
+        plain = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"))
+        assert torch.equal(step(x, y), plain(x, y))
+        pairs = zip(plain.model.parameters(), step.model.parameters(), strict=True)
+        assert all(torch.equal(a.grad, b.grad) for a, b in pairs)  # type: ignore[arg-type]
+        assert step.plan_summary().recompute_cost <= slowdown - 1
+    assert unchunked > peaks[1.05] >= peaks[1.2] >= peaks[1.5], (unchunked, peaks)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ("1.2", TypeError, "max_slowdown must be a number"),
+        (True, TypeError, "max_slowdown must be a number"),
+        (0.9, ValueError, "at least 1.0"),
+        (float("nan"), ValueError, "at least 1.0"),
+    ],
+)
+def test_a_bad_max_slowdown_is_refused(value: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=f"sharedmem: .*{match}"):
+        sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), max_slowdown=value)  # type: ignore[arg-type]
+
+
+def test_max_slowdown_with_fixed_chunks_says_to_give_a_budget() -> None:
+    with pytest.raises(ValueError, match="give a budget instead of chunks"):
+        sm.pooled_train_step(
+            deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), chunks=2, max_slowdown=1.2
+        )

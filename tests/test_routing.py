@@ -348,3 +348,12 @@ def test_without_a_compiler_one_warning_and_the_step_still_runs(tmp_path: object
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the router installs")
+def test_installing_the_cuda_router_without_a_gpu_warns_and_routes_nothing() -> None:
+    with pytest.warns(RuntimeWarning, match="no CUDA GPU"):
+        assert sm.install_cuda_router() is False
+    from sharedmem._routing import cuda_router
+
+    assert cuda_router() is None

@@ -15,6 +15,7 @@ Streams and events are PyTorch's objects (or the stand-in's, with the same metho
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,7 +109,29 @@ class TorchCudaOps:
         return int(free), int(total)
 
     def memory_reserved(self, index: int) -> int:
-        return int(torch.cuda.memory_reserved(index))
+        """What PyTorch's caching allocator holds on device ``index`` (0 where a pluggable
+        allocator, the CUDA router, replaced it: those keep no statistics)."""
+        try:
+            return int(torch.cuda.memory_reserved(index))
+        except RuntimeError:
+            return 0
+
+    def routing_upstream(self) -> tuple[int, int]:
+        """The addresses of the two C calls the CUDA router gets memory with where no plan
+        serves: the driver's stream-ordered ``cuMemAllocAsync`` and ``cuMemFreeAsync``."""
+        driver = ctypes.CDLL("libcuda.so.1")
+        alloc = ctypes.cast(driver.cuMemAllocAsync, ctypes.c_void_p).value
+        free = ctypes.cast(driver.cuMemFreeAsync, ctypes.c_void_p).value
+        assert alloc is not None and free is not None, "libcuda lacks the stream-ordered calls"
+        return alloc, free
+
+    def install_allocator(self, library: str, alloc: str, free: str) -> None:
+        """Make the C functions ``alloc`` and ``free`` of the shared library ``library``
+        PyTorch's CUDA allocator (``RuntimeError`` once PyTorch's allocator was used)."""
+        from torch.cuda import memory
+
+        pluggable = memory.CUDAPluggableAllocator(library, alloc, free)
+        memory.change_current_allocator(pluggable)
 
     def total_memory(self, index: int) -> int:
         return int(torch.cuda.get_device_properties(index).total_memory)

@@ -24,7 +24,7 @@ from torch.fx import Node
 
 from .._backends import round_up
 from .._pool import BufferPool
-from .._routing import Route, choose_plan, native
+from .._routing import Route, choose_plan, routes_on
 from .._validate import check_name
 from .binding import Binding, Place, State
 from .codegen import Runner, generate
@@ -49,13 +49,15 @@ class MemoryPlan(NamedTuple):
     each slot would be grown to on the pool as it is now (what a budget is checked against),
     and the bytes of the results a call hands back in fresh memory (loss and gradients, or
     the forward's outputs), and the most bytes of fresh results (unpooled intermediates and
-    returned results) live at once during a call: the step's peak beside the pool."""
+    returned results) live at once during a call: the step's peak beside the pool; and the
+    time the plan's recomputation adds, modelled, as a fraction of the step's own."""
 
     pooled_bytes: int
     unpooled_bytes: int
     slot_bytes: dict[str, int]
     returned_bytes: int
     beside_peak: int = 0
+    recompute_cost: float = 0.0
 
 
 class SlotPlan(NamedTuple):
@@ -136,9 +138,11 @@ class Executor:
         # Served through the routing allocator where it can be (see ``_routed``); set before
         # the first call to plan with ``out=`` kernels only.
         self.routing = True
-        # Also recompute convolutions and matrix products (time for memory): set by a budget
-        # that the step meets this way without chunks; part of every compiled step's key.
-        self.recompute_heavy = False
+        # Also recompute convolutions and matrix products (time for memory): ``True`` as many
+        # as lower the peak, a number up to that fraction of the step's modelled time (see
+        # ``recompute``); set by a budget the step meets this way without chunks, or by
+        # ``max_slowdown``; part of every compiled step's key.
+        self.recompute_heavy: bool | float = False
 
     def _state(self) -> tuple[Binding, State]:
         binding = self._binding
@@ -269,16 +273,17 @@ class Executor:
         )
 
     def _routed(self, outputs_in_pool: bool) -> bool:
-        """Whether a call's allocations are served by the routing allocator: on a CPU (or
-        emulated) pool with the liveness plan, where the router could be built, unless the
-        outputs are asked for as pool views (they outlive the call, so only the slot plan
-        can place them). A pool's limit caps the arena (what does not fit runs beside it)."""
+        """Whether a call's allocations are served by the routing allocator: with the
+        liveness plan, on a CPU (or emulated) pool where the router could be built or a CUDA
+        pool once ``install_cuda_router`` ran, unless the outputs are asked for as pool views
+        (they outlive the call, so only the slot plan can place them). A pool's limit caps
+        the arena (what does not fit runs beside it)."""
         return (
             self.routing
             and self.plan == "liveness"
             and not outputs_in_pool
-            and self._device_type == "cpu"
-            and native() is not None
+            and self._device_type in ("cpu", "cuda")
+            and routes_on(self.pool)
         )
 
     def _memory_plan(self, traced: Traced, *, outputs_in_pool: bool) -> MemoryPlan:
@@ -297,6 +302,7 @@ class Executor:
             slot_bytes=plan.slot_bytes if slot_bytes is None else slot_bytes,
             returned_bytes=returned_bytes(traced.gm),
             beside_peak=plan.beside_peak,
+            recompute_cost=float(traced.gm.meta.get("recompute_cost", 0.0)),
         )
 
     def _recompute(self, traced: Traced) -> tuple[Traced, int]:
@@ -445,6 +451,7 @@ class Executor:
             unpooled_bytes=plan.unpooled_bytes,
             unpooled_ops=plan.unpooled_ops,
             recomputed=recomputed,
+            recompute_cost=float(gm.meta.get("recompute_cost", 0.0)),
         )
 
     def _mark_planned(self) -> None:

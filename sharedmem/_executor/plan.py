@@ -176,6 +176,9 @@ class PlanSummary:
         unpooled_ops: those ops, by name.
         recomputed: values computed again where backward reads them instead of kept from
             the forward (``recompute``).
+        recompute_cost: the time that recomputation adds, modelled (``cost``), as a fraction
+            of the step's own modelled time (0.0 for the cheap values alone, whose time is
+            hidden in memory traffic the step saves).
         routed: where the routing allocator serves the call from the arena, its recorded
             plan in words ("" without the router, or before the first call ran).
     """
@@ -192,6 +195,7 @@ class PlanSummary:
     unpooled_ops: tuple[str, ...]
     recomputed: int = 0
     routed: str = ""
+    recompute_cost: float = 0.0
 
     @property
     def saved_bytes(self) -> int:
@@ -213,5 +217,10 @@ class PlanSummary:
             f"{self.added_bytes:,} bytes; "
             f"unpooled per call: {self.unpooled_bytes:,} bytes ({ops})"
             + (f"; {self.recomputed} values recomputed in backward" if self.recomputed else "")
+            + (
+                f" (modelled +{self.recompute_cost:.0%} time)"
+                if self.recompute_cost >= 0.005
+                else ""
+            )
             + (f"; routed: {self.routed}" if self.routed else "")
         )

@@ -21,8 +21,10 @@ itself and views of it (no in-place writes); and it is idle across the step's bu
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch._ops import OpOverload
@@ -30,6 +32,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import Argument
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .cost import graph_cost, op_cost
 from .graph import fake_mode, fresh_fake
 
 __all__ = ["recompute"]
@@ -40,24 +43,34 @@ aten = torch.ops.aten
 MIN_GAP = 16
 # How many values one recomputation may compute again (a ReLU over an add over a batch norm).
 MAX_CHAIN = 4
+# Giving time for memory: a matrix product over a layer norm, or GPT-2's tanh GELU (five
+# pointwise ops over a matrix product).
+MAX_CHAIN_HEAVY = 8
 
 _IDENTITY = frozenset({aten.detach.default, aten.alias.default})
 _BATCH_NORM = aten.native_batch_norm.default
 _LAYER_NORM = aten.native_layer_norm.default
-_MULTI = frozenset({_BATCH_NORM, _LAYER_NORM})  # recomputed for their output (getitem 0)
+_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
+# Recomputed for their output (getitem 0); what else they return stays as it was.
+_MULTI = frozenset({_BATCH_NORM, _LAYER_NORM, _ATTENTION})
 # Recomputed only when time is given for memory (``heavy``): deterministic on the same inputs
-# (the same kernel, the same threads, the same bits), but a convolution or a matrix product
-# is a step's real work, so each costs time.
+# (the same kernel, the same threads, the same bits), but a convolution, a matrix product or
+# an attention is a step's real work, so each costs time.
 _HEAVY = frozenset(
-    {aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default}
+    {aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default, _ATTENTION}
 )
 HEAVY_MIN_GAP = 4
 
 
-def recompute(gm: GraphModule, *, heavy: bool = False) -> tuple[GraphModule, int]:
+def recompute(gm: GraphModule, *, heavy: bool | float = False) -> tuple[GraphModule, int]:
     """A copy of ``gm`` whose cheap long-idle values are computed again where read late, and
-    how many were (``gm`` itself when none is). ``heavy``: convolutions and matrix products
-    too, and shorter gaps (time given for memory, to meet a budget without chunks)."""
+    how many were (``gm`` itself when none is).
+
+    ``heavy`` gives time for memory, to meet a budget without chunks: convolutions and matrix
+    products are recomputed too, and shorter gaps are taken. ``True``: every such value idle
+    across the busiest node; a number: values chosen cheapest first (modelled time per byte
+    freed, see ``cost``) while their modelled time stays within that fraction of the step's
+    own. The copy's ``meta["recompute_cost"]`` is the fraction its recomputation adds."""
     graph = Graph()
     copies: dict[Node, Node] = {}
     out = graph.graph_copy(gm.graph, copies)
@@ -65,20 +78,71 @@ def recompute(gm: GraphModule, *, heavy: bool = False) -> tuple[GraphModule, int
     fakes = fake_mode(graph)
     if fakes is None or not _static(graph):
         return gm, 0  # (a data-dependent shape is refused, with its source line, by analyse)
+    total = graph_cost(graph)
+    count, spent = _in_graph_order(graph, fakes), 0.0  # the default's, free: always first
+    if heavy is not False and heavy != 0:
+        allowance = math.inf if heavy is True else float(heavy) * total
+        more, spent = _cheapest_first(graph, fakes, allowance)
+        count += more
+        spent /= total or 1.0
+    if not count:
+        return gm, 0
+    result = GraphModule(gm, graph)
+    result.meta["recompute_cost"] = spent
+    return result, count
+
+
+def _in_graph_order(graph: Graph, fakes: object) -> int:
+    """Recompute every cheap value that qualifies, in graph order; how many."""
     count = 0
     index = _Index(graph)
     changed = True
     while changed:  # the busiest node moves as values are recomputed: look again
         changed = False
         for node in list(graph.nodes):
-            value = _value(node, heavy)
+            value = _value(node)
             if value is None or value not in index.position:
                 continue
-            if _recompute_one(graph, index, value, fakes, heavy):
+            found = _candidate(index, value)
+            if found is not None:
+                _apply(graph, index, found, fakes)
                 count += 1
                 changed = True
                 index = _Index(graph)
-    return (GraphModule(gm, graph), count) if count else (gm, 0)
+    return count
+
+
+def _cheapest_first(graph: Graph, fakes: object, allowance: float) -> tuple[int, float]:
+    """Recompute, one at a time, the qualifying value (heavy ones included) whose chain costs
+    the least modelled time per byte it frees, while the total stays within ``allowance``;
+    how many, and their modelled time."""
+    count, spent = 0, 0.0
+    while True:
+        index = _Index(graph)  # the busiest node moves as values are recomputed
+        best: tuple[float, float, _Candidate] | None = None
+        for node in graph.nodes:
+            value = _value(node, heavy=True)
+            if value is None or value not in index.position:
+                continue
+            found = _candidate(index, value, heavy=True)
+            if found is None:
+                continue
+            cost = sum(op_cost(n) for n in _producers(found.chain))
+            if spent + cost > allowance:
+                continue
+            freed = value.meta["val"].untyped_storage().nbytes() or 1
+            if best is None or cost / freed < best[0]:
+                best = (cost / freed, cost, found)
+        if best is None:
+            return count, spent
+        _apply(graph, index, best[2], fakes)
+        count += 1
+        spent += best[1]
+
+
+def _producers(chain: list[Node]) -> list[Node]:
+    """The ops a chain runs again (a batch norm's output is its producer's)."""
+    return [n.args[0] if n.target is operator.getitem else n for n in chain]  # type: ignore[misc]
 
 
 class _Index:
@@ -141,7 +205,11 @@ class _Index:
     def readers(self, key: StorageWeakRef) -> list[Node]:
         """The nodes that read the storage ``key`` (not its aliases), in graph order."""
         members = set(self.members[key])
-        found = {u for m in members for u in m.users if u not in members}
+        # A split of the storage is a view, not a reader: its pieces are members, and their
+        # users read it.
+        found = {
+            u for m in members for u in m.users if u not in members and not _split_of(u, members)
+        }
         return sorted(found, key=self.position.__getitem__)
 
     def alive_at(self, node: Node, at: int) -> bool:
@@ -170,7 +238,7 @@ def _recomputable(node: Node, heavy: bool = False) -> bool:
     if not isinstance(target, OpOverload):
         return False
     if heavy and target in _HEAVY:
-        return isinstance(node.meta.get("val"), torch.Tensor)
+        return isinstance(node.meta.get("val"), torch.Tensor) or target in _MULTI
     if target is _BATCH_NORM:
         return len(node.args) > 5 and node.args[5] is True
     if target is _LAYER_NORM:
@@ -185,10 +253,12 @@ def _recomputable(node: Node, heavy: bool = False) -> bool:
     )
 
 
-def _only_views(index: _Index, value: Node) -> bool:
+def _only_views(index: _Index, value: Node, *, writers: bool = False) -> bool:
     # The value's storage is reached through the value and chains of views of it alone
-    # (detach, reshape, transpose ...): nothing writes it, and each view can be taken again
-    # of the recomputed value.
+    # (detach, reshape, transpose ...), and each view can be taken again of the recomputed
+    # value. ``writers``: in-place pointwise ops on it are allowed too (torchvision's
+    # ``ReLU(inplace=True)`` after a batch norm, the ``+=`` of a residual), replayed in order
+    # on the recomputed value (``_apply``); elsewhere nothing may write it.
     key = index.key.get(value)
     if key is None or key in index.inputs:
         return False
@@ -197,8 +267,16 @@ def _only_views(index: _Index, value: Node) -> bool:
         if member is value:
             continue
         target = member.target
-        if not isinstance(target, OpOverload) or _writes(member):
+        if target is operator.getitem:  # one piece of a split (GPT-2's q, k, v)
+            if not _split_of(member.args[0], members):
+                return False
+            continue
+        if not isinstance(target, OpOverload):
             return False
+        if _writes(member):
+            if not (writers and _inplace_pointwise(member) and member.args[0] in members):
+                return False
+            continue
         returns = target._schema.returns
         if len(returns) != 1 or returns[0].alias_info is None:
             return False
@@ -209,15 +287,61 @@ def _only_views(index: _Index, value: Node) -> bool:
     return True
 
 
-def _recompute_one(
-    graph: Graph, index: _Index, value: Node, fakes: object, heavy: bool = False
-) -> bool:
-    key = index.key.get(value)
-    if key is None or not _only_views(index, value):
+def _split_of(node: object, members: set[Node]) -> bool:
+    """Whether ``node`` splits one of ``members`` into views (``split``, ``unbind``): a
+    list of aliases, with no other tensor input."""
+    if not isinstance(node, Node) or not isinstance(node.target, OpOverload) or _writes(node):
         return False
+    returns = node.target._schema.returns
+    return (
+        len(returns) == 1
+        and returns[0].alias_info is not None
+        and isinstance(node.meta.get("val"), (list, tuple))
+        and bool(node.args)
+        and node.args[0] in members
+        and not _nodes_in([*node.args[1:], *node.kwargs.values()])
+    )
+
+
+def _inplace_pointwise(node: Node) -> bool:
+    """An in-place pointwise op without randomness that writes its first argument only."""
+    target = node.target
+    if not isinstance(target, OpOverload) or not node.args:
+        return False
+    arguments = target._schema.arguments
+    first = arguments[0].alias_info if arguments else None
+    return (
+        torch.Tag.pointwise in target.tags
+        and torch.Tag.nondeterministic_seeded not in target.tags
+        and first is not None
+        and first.is_write
+        and not any(a.alias_info is not None and a.alias_info.is_write for a in arguments[1:])
+    )
+
+
+def _writers(index: _Index, value: Node) -> list[Node]:
+    """The in-place ops on ``value``'s storage, in graph order."""
+    members = index.members[index.key[value]]
+    return sorted((m for m in members if _writes(m)), key=index.position.__getitem__)
+
+
+class _Candidate(NamedTuple):
+    """A value that can be computed again: where (``at``), for which late readers, and the
+    values computed again there (inputs first, the value last)."""
+
+    value: Node
+    at: int
+    late: list[Node]
+    chain: list[Node]
+
+
+def _candidate(index: _Index, value: Node, heavy: bool = False) -> _Candidate | None:
+    key = index.key.get(value)
+    if key is None or not _only_views(index, value, writers=True):
+        return None
     readers = index.readers(key)
     if not readers or any(r.op == "output" for r in readers):
-        return False
+        return None
     points = [index.position[value], *(index.position[r] for r in readers)]
     gaps = [(points[i + 1] - points[i], i + 1) for i in range(len(points) - 1)]
     gap, split = max(gaps)
@@ -225,30 +349,48 @@ def _recompute_one(
     # Only a value idle across the step's busiest node lowers its peak; others would cost
     # time for nothing.
     if gap < (HEAVY_MIN_GAP if heavy else MIN_GAP) or not points[split - 1] < index.busiest < at:
-        return False
+        return None
     late = [r for r in readers if index.position[r] >= at]
     if any(_writes(r) for r in late):
-        return False
+        return None
+    # In-place writes are replayed on the recomputed value: each must come before the late
+    # readers, and its other inputs must be there, unchanged, when it is replayed.
+    for writer in _writers(index, value):
+        if index.position[writer] >= at:
+            return None
+        for arg in _nodes_in([*writer.args[1:], *writer.kwargs.values()]):
+            if not index.alive_at(arg, at) or not index.unchanged(arg, index.position[writer], at):
+                return None
     chain = _chain(index, value, at, 0, heavy)
     if chain is None:
-        return False
-    first_late = index.nodes[at]
+        return None
+    return _Candidate(value, at, late, chain)
+
+
+def _apply(graph: Graph, index: _Index, found: _Candidate, fakes: object) -> None:
+    key = index.key[found.value]
+    first_late = index.nodes[found.at]
     made: dict[Node, Node] = {}
     members = index.members[key]
     with graph.inserting_before(first_late):
-        for original in chain:
+        for original in found.chain:
             made[original] = _emit(graph, original, made, fakes)
-        for reader in late:
+        for writer in _writers(index, found.value):
+            made[writer] = _emit_write(graph, writer, made, fakes)
+        for reader in found.late:
             for member in members:
                 if member in reader.all_input_nodes:
                     reader.replace_input_with(member, _view_again(graph, member, made, fakes))
     # Detaches nobody reads any more (autograd's saved-tensor handles, recorded where the
     # backward unpacked them) would otherwise keep the original alive to their place.
-    dead = [m for m in reversed(members) if m is not value]
+    # (An in-place op is kept: the forward's readers read what it wrote.)
+    dead = [m for m in reversed(members) if m is not found.value and not _writes(m)]
     for member in dead:
         if not member.users:
+            split = member.args[0] if member.target is operator.getitem else None
             graph.erase_node(member)
-    return True
+            if isinstance(split, Node) and not split.users:
+                graph.erase_node(split)
 
 
 def _view_again(graph: Graph, member: Node, made: dict[Node, Node], fakes: object) -> Node:
@@ -261,12 +403,36 @@ def _view_again(graph: Graph, member: Node, made: dict[Node, Node], fakes: objec
     if member.target in _IDENTITY:
         made[member] = base
         return base
+    if member.target is operator.getitem:  # a piece of a split taken again
+        again = graph.call_function(operator.getitem, (base, member.args[1]))
+        again.meta["val"] = base.meta["val"][member.args[1]]
+        made[member] = again
+        return again
     target = _op(member)
     again = graph.call_function(target, (base, *member.args[1:]), dict(member.kwargs))
     with fakes:  # type: ignore[attr-defined]
         again.meta["val"] = target(base.meta["val"], *member.args[1:], **member.kwargs)
     again.meta["stack_trace"] = member.meta.get("stack_trace")
     made[member] = again
+    return again
+
+
+def _emit_write(graph: Graph, writer: Node, made: dict[Node, Node], fakes: object) -> Node:
+    """The in-place op ``writer`` again, on the recomputed value (its first argument)."""
+    target = _op(writer)
+    base = _view_again(graph, writer.args[0], made, fakes)  # type: ignore[arg-type]
+    again = graph.call_function(target, (base, *writer.args[1:]), dict(writer.kwargs))
+
+    def val(a: object) -> object:
+        return a.meta["val"] if isinstance(a, Node) else a
+
+    with fakes:  # type: ignore[attr-defined]
+        # The fake result aliases the recomputed value's fake storage, as the op's does.
+        again.meta["val"] = target(
+            base.meta["val"], *(val(a) for a in writer.args[1:]),
+            **{k: val(v) for k, v in writer.kwargs.items()},
+        )  # fmt: skip
+    again.meta["stack_trace"] = writer.meta.get("stack_trace")
     return again
 
 
@@ -291,13 +457,32 @@ def _chain(
             return None  # written in place since (a recurrent state): not the same inputs
         if index.alive_at(arg, at):
             continue
-        if depth + 1 >= MAX_CHAIN or _value(arg, heavy) is not arg or not _only_views(index, arg):
+        # Giving time for memory, an input that is a view (the reshape before a matrix
+        # product) is taken again of its value computed again (``_emit``).
+        base = _view_root(arg) if heavy else arg
+        limit = MAX_CHAIN_HEAVY if heavy else MAX_CHAIN
+        if depth + 1 >= limit or _value(base, heavy) is not base or not _only_views(index, base):
             return None
-        sub = _chain(index, arg, at, depth + 1, heavy)
+        sub = _chain(index, base, at, depth + 1, heavy)
         if sub is None:
             return None
         chain += [n for n in sub if n not in chain]
     return [*chain, value]
+
+
+def _view_root(node: Node) -> Node:
+    """The value ``node`` views through a chain of views (``node`` itself if not a view)."""
+    while (
+        isinstance(node.target, OpOverload)
+        and not _writes(node)
+        and len(node.target._schema.returns) == 1
+        and node.target._schema.returns[0].alias_info is not None
+        and node.args
+        and isinstance(node.args[0], Node)
+        and not _nodes_in([*node.args[1:], *node.kwargs.values()])
+    ):
+        node = node.args[0]
+    return node
 
 
 def _nodes_in(args: Sequence[object]) -> list[Node]:
@@ -319,6 +504,8 @@ def _op(node: Node) -> OpOverload:
 def _emit(graph: Graph, value: Node, made: dict[Node, Node], fakes: object) -> Node:
     def arg(a: Argument) -> Argument:
         if isinstance(a, Node):
+            if a not in made and _view_root(a) in made:  # a view of a value computed again
+                return _view_again(graph, a, made, fakes)
             return made.get(a, a)
         if isinstance(a, (list, tuple)):
             return type(a)(arg(x) for x in a)

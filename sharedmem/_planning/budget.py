@@ -23,6 +23,7 @@ __all__ = [
     "Need",
     "budget_bytes",
     "check_budget",
+    "check_max_slowdown",
     "machine_available_bytes",
     "parse_bytes",
 ]
@@ -100,6 +101,30 @@ def check_budget(budget: object, chunks: object) -> int | str | None:
     return budget
 
 
+def check_max_slowdown(max_slowdown: object, chunks: object) -> float | None:
+    """``max_slowdown`` as a float (``None`` stays ``None``); refuse anything but a number of
+    at least 1.0, or one given with a fixed chunk count (nothing is chosen then)."""
+    if max_slowdown is None:
+        return None
+    if isinstance(max_slowdown, bool) or not isinstance(max_slowdown, (int, float)):
+        raise TypeError(
+            f"sharedmem: max_slowdown must be a number (1.3: up to 30% more time), got "
+            f"{type(max_slowdown).__name__}"
+        )
+    if not max_slowdown >= 1.0:  # (NaN too)
+        raise ValueError(
+            f"sharedmem: max_slowdown must be at least 1.0 (1.0: no time given up), got "
+            f"{max_slowdown!r}"
+        )
+    if chunks is not None:
+        raise ValueError(
+            "sharedmem: max_slowdown limits the recomputation chosen for a budget (or alone, "
+            "the least memory within it); with a fixed number of chunks there is nothing to "
+            "choose: give a budget instead of chunks"
+        )
+    return float(max_slowdown)
+
+
 def budget_bytes(budget: int | str, device: torch.device, pool: BufferPool | None) -> int:
     """``budget`` in bytes for a step on ``device`` whose buffers live in ``pool``."""
     if isinstance(budget, int):
@@ -107,6 +132,9 @@ def budget_bytes(budget: int | str, device: torch.device, pool: BufferPool | Non
     held = 0 if pool is None else pool.stats()["device_reserved_bytes"]
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        try:
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        except RuntimeError:  # the CUDA router replaced the caching allocator: nothing cached
+            cached = 0
         return int(free) + int(cached) + held
     return machine_available_bytes() + held

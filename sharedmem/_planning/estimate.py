@@ -24,6 +24,7 @@ from .._backends import backend_names
 from .._executor import PooledForward, PooledTrainStep
 from .._executor.calling import OwnLoss, model_arguments, plain_mapping
 from .._executor.distributed import bucket_bytes, unwrap
+from .._executor.executor import MemoryPlan
 from .._pool import BufferPool
 from .._pool.report import human_bytes
 from .budget import parse_bytes
@@ -60,6 +61,9 @@ class MemoryEstimate:
             the rest of the eager peak (results that die within the step).
         module_activation_bytes: per module path (``""`` is the model), the bytes saved for
             backward while that module ran; a container counts its children's.
+        time_for_memory: what recomputation offers the pooled train step, bit for bit:
+            ``(modelled slowdown, step_peak_pooled)`` pairs, for at most +35% time and for
+            as much as lowers the peak (what ``max_slowdown=`` and a budget choose from).
     """
 
     device: str
@@ -71,6 +75,7 @@ class MemoryEstimate:
     module_activation_bytes: dict[str, int] = field(default_factory=dict)
     step_peak_eager: int = 0
     step_peak_pooled: int = 0
+    time_for_memory: tuple[tuple[float, int], ...] = ()
 
     def fits(self, budget: int | str, *, pooled: bool = True) -> bool:
         """Whether the train step (pooled unless ``pooled=False``) fits ``budget`` (bytes, or
@@ -104,6 +109,12 @@ class MemoryEstimate:
         if modules:
             rows.append("  activations saved for backward, biggest modules:")
             rows += [f"    {path:<20}{n:>16,}" for path, n in modules[:10]]
+        if self.time_for_memory and self.step_peak_pooled:
+            rows.append("  time for memory (pooled step's own peak, recomputation, bit for bit):")
+            rows.append(f"    {'default':<20}{self.step_peak_pooled:>16,}")
+            for slowdown, peak in self.time_for_memory:
+                share = peak / self.step_peak_pooled
+                rows.append(f"    {f'+{slowdown:.0%} time':<20}{peak:>16,}   ({share:.2f}x)")
         return "\n".join(rows)
 
 
@@ -182,11 +193,14 @@ def estimate(
             keep_output=True,
         )  # fmt: skip
         if any(p.requires_grad for p in model.parameters()):
-            train_plan = PooledTrainStep(model, loss, BufferPool("cpu")).memory_plan(
-                _real(inputs), _real(targets)
+            pooled = PooledTrainStep(model, loss, BufferPool("cpu"))
+            train_plan = pooled.memory_plan(_real(inputs), _real(targets))
+            recomputed = _time_for_memory(
+                pooled, _real(inputs), _real(targets), own_peak(train, buckets, rounding)
             )
         else:  # a frozen model: its "train step" is a training-mode forward and the loss
             train_plan = PooledForward(model, BufferPool("cpu")).memory_plan(_real(inputs))
+            recomputed = []
         model.eval()
         eval_peak, out_bytes = _eager_eval(model, inputs, rounding, measure=name == "cpu")
         eval_plan = PooledForward(model, BufferPool("cpu")).memory_plan(_real(inputs))
@@ -194,13 +208,12 @@ def estimate(
         model.train(was_training)
     static = train.parameters + train.inputs + buckets
     grads, state = train.gradients, train.optimizer_state
+
     train_peak_eager = static + state + max(train.forward_backward, grads + train.step_temporaries)
-    pool_bytes = rounding(train_plan.pooled_bytes)
     # The plan's own timeline: what runs beside the pool (unpooled results, their scratch,
     # the new gradients) at its busiest node; then the optimizer's step beside the gradients.
-    train_peak_pooled = (
-        static + state + pool_bytes + max(train_plan.beside_peak, grads + train.step_temporaries)
-    )
+    step_peak_pooled = own_peak(train, buckets, rounding)(train_plan)
+    train_peak_pooled = static - buckets + state + step_peak_pooled
     eval_static = train.parameters + train.model_inputs
     categories = {
         "parameters": train.parameters,
@@ -221,8 +234,42 @@ def estimate(
         train_bytes={key: categories[key] for key in CATEGORIES},
         module_activation_bytes=train.modules,
         step_peak_eager=train_peak_eager - static + buckets - state,
-        step_peak_pooled=train_peak_pooled - static + buckets - state,
+        step_peak_pooled=step_peak_pooled,
+        time_for_memory=tuple(recomputed),
     )
+
+
+def own_peak(
+    train: _Train, buckets: int, rounding: Callable[[int], int]
+) -> Callable[[MemoryPlan], int]:
+    """A pooled train step's own peak (what a budget counts) from its plan: the pool's planned
+    bytes and the most beside it, or the optimizer's step beside the gradients."""
+
+    def peak(plan: MemoryPlan) -> int:
+        grads_and_step = train.gradients + train.step_temporaries
+        return rounding(plan.pooled_bytes) + max(plan.beside_peak, grads_and_step) + buckets
+
+    return peak
+
+
+def _time_for_memory(
+    step: PooledTrainStep, inputs: object, targets: object, own_peak: Callable[[MemoryPlan], int]
+) -> list[tuple[float, int]]:
+    """The pooled step's own peak (``own_peak`` of its plan) with recomputation at +35%
+    modelled time and at as much as lowers the peak, each with its modelled cost; a setting
+    that lowers nothing below the one before it is left out."""
+    found: list[tuple[float, int]] = []
+    lowest = own_peak(step.memory_plan(inputs, targets))
+    try:
+        for level in (0.35, True):
+            step.recompute_heavy = level
+            plan = step.memory_plan(inputs, targets)
+            if own_peak(plan) < lowest and plan.recompute_cost > 0:
+                lowest = own_peak(plan)
+                found.append((plan.recompute_cost, lowest))
+    finally:
+        step.recompute_heavy = False
+    return found
 
 
 @dataclass

@@ -86,10 +86,12 @@ class Fitted:
         self._chosen: dict[tuple[object, ...], int] = {}
         self._counts: dict[str, int] = {}  # signature label -> chunks, for reading
         self._said: dict[str, list[bool]] = {}
-        # Signatures (count keys) met in one chunk by recomputing more (``_recomputes``), and
-        # whether the latest count chosen is one of them.
-        self._recomputed: set[tuple[object, ...]] = set()
+        # Signatures (count keys) met in one chunk by recomputing more (``_recomputes``), each
+        # with the recomputation setting that met it, and whether the latest count chosen is
+        # one of them (with its setting).
+        self._recomputed: dict[tuple[object, ...], float | bool] = {}
         self.recomputing = False
+        self.recompute_heavy: float | bool = False
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -109,10 +111,11 @@ class Fitted:
         rows = [f"chunks per batch signature ({head}):"]
         rows += [f"  {label:<48}{n:>6}" for label, n in self._counts.items()]
         if self._recomputed:
+            levels = ", ".join(_level(v) for v in self._recomputed.values())
             rows.append(
                 f"  {len(self._recomputed)} signature(s) fit in one chunk by computing "
                 "convolutions and matrix products again in backward (the same step, bit for "
-                "bit, at the cost of that time)"
+                f"bit, at the cost of that time: {levels})"
             )
         return "\n".join(rows)
 
@@ -134,19 +137,21 @@ class Fitted:
         key = (signature(inputs, targets), budget, limit, accumulating)
         chosen = self._chosen.get(key)
         if chosen is None:
-            chosen, recomputes = self._search(inputs, targets, total, budget, limit, accumulating)
-            if recomputes:
-                self._recomputed.add(key)
+            chosen, level = self._search(inputs, targets, total, budget, limit, accumulating)
+            if level is not False:
+                self._recomputed[key] = level
             self._chosen[key] = chosen
             self._remember(inputs, targets, chosen)
-        self.recomputing = key in self._recomputed
+        self.recompute_heavy = self._recomputed.get(key, False)
+        self.recomputing = self.recompute_heavy is not False
         return chosen
 
     def _recomputes(
         self, inputs: object, targets: object, budget: int, limit: int | None, accumulating: bool
-    ) -> bool:
-        """Whether the whole batch, which does not fit the budget as planned by default, fits
-        it by recomputing more in one chunk (the same computation, unlike chunks)."""
+    ) -> float | bool:
+        """The least recomputation (a ``recompute_heavy`` setting) with which the whole batch,
+        which does not fit the budget as planned by default, fits it in one chunk (the same
+        computation, unlike chunks); ``False`` where none does."""
         return False
 
     def _remember(self, inputs: object, targets: object, chunks: int) -> None:
@@ -162,11 +167,11 @@ class Fitted:
         budget: int,
         limit: int | None,
         accumulating: bool,
-    ) -> tuple[int, bool]:
-        """Bisect for the fewest chunks that fit, and whether one chunk fits by recomputing
-        more (tried before any chunks: ``_recomputes``). If none does with the pool as it is
-        (its buffers were sized by other shapes), this step's own buffers are given back once
-        and the search runs again on what is left."""
+    ) -> tuple[int, float | bool]:
+        """Bisect for the fewest chunks that fit, and the recomputation with which one chunk
+        fits (tried before any chunks: ``_recomputes``; ``False``: none). If none does with
+        the pool as it is (its buffers were sized by other shapes), this step's own buffers
+        are given back once and the search runs again on what is left."""
         for attempt in range(2):
             needs: dict[int, Need | None] = {}
 
@@ -178,8 +183,10 @@ class Fitted:
 
             if fits(1):
                 return 1, False
-            if attempt == 0 and self._recomputes(inputs, targets, budget, limit, accumulating):
-                return 1, True
+            if attempt == 0:
+                level = self._recomputes(inputs, targets, budget, limit, accumulating)
+                if level is not False:
+                    return 1, level
             low, high = 1, total  # low does not fit; high is the most there can be
             while high - low > 1:
                 middle = (low + high) // 2
@@ -319,9 +326,11 @@ class FittedTrainStep(Fitted):
         chunks: object,
         reduction: object,
         splitter: Splitter,
+        max_slowdown: float | None = None,
     ) -> None:
         super().__init__(step.model, budget, chunks, splitter, step.device, step.pool)
         self.step = step
+        self.max_slowdown = max_slowdown
         self.reduction, self._assumed = reduction_of(step.loss_fn, reduction)
         self._weighted: PooledTrainStep | None = None
 
@@ -331,7 +340,7 @@ class FittedTrainStep(Fitted):
         inputs, targets = plain_mapping(inputs), self.step.check_targets(targets)
         chunks = self._count(inputs, targets, self._accumulating())
         if chunks == 1:
-            self.step.recompute_heavy = self.recomputing
+            self.step.recompute_heavy = self.recompute_heavy
             try:
                 return self.step(inputs, targets)
             finally:
@@ -368,17 +377,35 @@ class FittedTrainStep(Fitted):
 
     def _recomputes(
         self, inputs: object, targets: object, budget: int, limit: int | None, accumulating: bool
-    ) -> bool:
+    ) -> float | bool:
         # Before chunks, which change what batch-wide modules see and the order of the sums:
-        # the whole batch with convolutions and matrix products computed again in backward.
-        if self.step.plan != "liveness":
+        # the whole batch with convolutions and matrix products computed again in backward,
+        # the least of it that fits (bisected over ``RECOMPUTE_LEVELS``, cheapest values
+        # first), within ``max_slowdown``.
+        if self.step.plan != "liveness" or self.step.recompute_heavy is not False:
             return False
-        self.step.recompute_heavy = True
-        try:
-            need = self._need(inputs, targets, 1, accumulating)
-        finally:
-            self.step.recompute_heavy = False
-        return need is not None and need.fits(budget, limit)
+        levels = recompute_levels(self.max_slowdown)
+        if not levels:
+            return False
+
+        def fits(level: float | bool) -> bool:
+            self.step.recompute_heavy = level
+            try:
+                need = self._need(inputs, targets, 1, accumulating)
+            finally:
+                self.step.recompute_heavy = False
+            return need is not None and need.fits(budget, limit)
+
+        if not fits(levels[-1]):
+            return False
+        low, high = -1, len(levels) - 1  # levels[high] fits; levels[low] does not (-1: none)
+        while high - low > 1:
+            middle = (low + high) // 2
+            if fits(levels[middle]):
+                high = middle
+            else:
+                low = middle
+        return levels[high]
 
     def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
         def plan(with_grads: bool) -> MemoryPlan:
@@ -539,3 +566,23 @@ class FitStep(Fitted):
             "gradients held between chunks": held,
         }
         return ChunkNeed(beside, {})
+
+
+# The recomputation settings a budget tries before chunks, least first: the most modelled
+# time recomputation may add, as a fraction of the step's own (``recompute``; ``True``: as
+# much as lowers the peak).
+RECOMPUTE_LEVELS: tuple[float | bool, ...] = (0.02, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, True)
+
+
+def recompute_levels(max_slowdown: float | None) -> list[float | bool]:
+    """The settings of ``RECOMPUTE_LEVELS`` within ``max_slowdown`` (``None``: all), with
+    ``max_slowdown - 1`` itself as the last where it falls between two."""
+    if max_slowdown is None:
+        return list(RECOMPUTE_LEVELS)
+    cap = max_slowdown - 1.0
+    levels: list[float | bool] = [v for v in RECOMPUTE_LEVELS if v is not True and v < cap]
+    return [*levels, cap] if cap > 0 else levels
+
+
+def _level(level: float | bool) -> str:
+    return "as much as lowers the peak" if level is True else f"up to +{float(level):.0%} modelled"

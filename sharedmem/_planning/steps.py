@@ -15,6 +15,7 @@ from torch import nn
 
 from .._executor import PooledForward, PooledTrainStep
 from .._pool import BufferPool
+from .budget import check_max_slowdown
 from .chunking import Splitter, UserSplit
 from .fit import FitStep, FittedForward, FittedTrainStep
 
@@ -33,6 +34,7 @@ def pooled_train_step(
     reduction: str | None = None,
     batch_dim: int = 0,
     split: UserSplit | None = None,
+    max_slowdown: float | None = None,
 ) -> PooledTrainStep | FittedTrainStep:
     """Make a train step that runs ``model`` as an ATen graph with activations in ``pool``.
 
@@ -101,7 +103,12 @@ def pooled_train_step(
     the count instead. Before chunks, a batch that does not fit as planned is tried in one
     chunk with convolutions and matrix products computed again where backward reads them
     (the same ops on the same inputs: bit for bit the unbudgeted step, at the cost of that
-    time); ``step.recomputing`` says whether the latest choice did. The gradients of chunks
+    time). What is recomputed is chosen by a cost model (``sharedmem/_executor/cost.py``: a
+    convolution's or matrix product's time is its flops, any other op's the bytes it moves):
+    the values that cost the least time per byte they free go first, and the least
+    recomputation that fits is taken; ``max_slowdown`` caps the time it may add (modelled).
+    ``step.recomputing`` says whether the latest choice recomputed, ``step.report()`` and
+    ``plan_summary()`` how much and at what modelled cost. The gradients of chunks
     are accumulated into ``p.grad`` exactly: a
     mean-reduced loss is weighted by each chunk's share of the batch, a sum-reduced one is
     summed, and the loss returned is the whole batch's. A budget covers what the step holds
@@ -117,6 +124,11 @@ def pooled_train_step(
     call that fails part way (an error in its third chunk) leaves the gradients of the
     chunks already run added into ``p.grad``, as eager gradient accumulation over
     micro-batches would: zero them (``optimizer.zero_grad()``) before running the batch again.
+
+    **The least memory at a stated cost.** ``max_slowdown=`` without a budget asks for the
+    lowest peak recomputation reaches within that modelled slowdown (1.3: at most 30% more
+    time), in one chunk, bit for bit the default step: the same solver a budget uses, with
+    the time given instead of the memory.
 
     Args:
         model: the module; on the pool's device (``"emulated"`` pools take CPU modules).
@@ -135,6 +147,8 @@ def pooled_train_step(
         split: ``split(inputs, targets, chunks)`` returns ``chunks`` tuples ``(inputs,
             targets[, weight])``, for layouts a plain split cannot cut (padded or packed
             sequences); a weight is the chunk's share of the batch's loss.
+        max_slowdown: the most time recomputation may add, modelled, as a factor of the
+            step's own (at least 1.0; 1.0: recompute nothing costly, chunks meet a budget).
 
     Example::
 
@@ -152,12 +166,20 @@ def pooled_train_step(
         >>> loss.shape, model[0].weight.grad.shape
         (torch.Size([]), torch.Size([8, 4]))
     """
+    slowdown = check_max_slowdown(max_slowdown, chunks)
     step = PooledTrainStep(model, loss_fn, pool, plan, prefix)
     if budget is None and chunks is None:
+        if slowdown is not None and slowdown > 1.0:
+            step.recompute_heavy = slowdown - 1.0  # the least memory within that time
         return step
     splitter = Splitter(batch_dim, split)
     return FittedTrainStep(
-        step, budget=budget, chunks=chunks, reduction=reduction, splitter=splitter
+        step,
+        budget=budget,
+        chunks=chunks,
+        reduction=reduction,
+        splitter=splitter,
+        max_slowdown=slowdown,
     )
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.utils._pytree as pytree
 
-from .._routing import Route, native
+from .._routing import Route, routes_on
 from .._validate import check_name
 
 if TYPE_CHECKING:
@@ -55,8 +55,8 @@ class StepBlocks:
         check_name(arena, "arena name")
         pool = self._pool()
         assert pool is not None, "the pool is gone"
-        if pool.device not in ("cpu", "emulated") or native() is None:
-            # The router serves CPU allocations; elsewhere the block runs as it is.
+        if not routes_on(pool):
+            # No router serves this pool's device (or none could be built): as it is.
             return nullcontext()
         key = (name, arena, signature_of(inputs))
         route = self._routes.get(key)

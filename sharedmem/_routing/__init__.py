@@ -2,15 +2,19 @@
 
 ``router.cpp`` (compiled at first use, ``native``) replaces c10's CPU allocator and, inside a
 step's scope on the calling thread only, hands the n-th allocation the address its plan
-chose; everywhere else PyTorch's own allocator serves as usual. ``plan`` places a recorded
-sequence at offsets of one arena; ``route`` records, plans and replays one signature.
+chose; everywhere else PyTorch's own allocator serves as usual. ``cuda_router.cpp``
+(``cuda_native``, installed on request by ``install_cuda_router``) does the same for CUDA as
+PyTorch's pluggable allocator, with scopes by stream; ``route_core.h`` is what both share.
+``plan`` places a recorded sequence at offsets of one arena; ``route`` records, plans and
+replays one signature.
 """
 
 from __future__ import annotations
 
+from .cuda_native import cuda_router, install_cuda_router
 from .native import loaded, native, routing_enabled
 from .plan import Recording, RoutePlan, choose_plan, plan_offsets
-from .route import COUNTERS, Route, arena_live_bytes
+from .route import COUNTERS, Route, arena_live_bytes, routes_on
 
 __all__ = [
     "COUNTERS",
@@ -19,8 +23,11 @@ __all__ = [
     "RoutePlan",
     "arena_live_bytes",
     "choose_plan",
+    "cuda_router",
+    "install_cuda_router",
     "loaded",
     "native",
     "plan_offsets",
+    "routes_on",
     "routing_enabled",
 ]

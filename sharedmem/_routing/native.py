@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["loaded", "native", "routing_enabled"]
+__all__ = ["build", "loaded", "native", "routing_enabled"]
 
 _SOURCE = Path(__file__).with_name("router.cpp")
 _NAME = "sharedmem_routing"
@@ -49,28 +49,39 @@ def loaded() -> Any | None:
 def _load() -> Any | None:
     if not routing_enabled():
         return None
+    module = build(_NAME, _SOURCE, "routing allocator")
+    if module is not None and not module.install():
+        _warn_fallback("routing allocator", RuntimeError("c10 kept another CPU allocator"))
+        return None
+    return module
+
+
+def build(name: str, source: Path, what: str) -> Any | None:
+    """``source`` compiled as the extension module ``name`` (cached by PyTorch), or ``None``
+    with one warning where it cannot be built."""
     try:
         from torch.utils import cpp_extension
 
-        with _build_lock(Path(cpp_extension._get_build_directory(_NAME, verbose=False))):
-            module = cpp_extension.load(
-                name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False
+        with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            return cpp_extension.load(
+                name=name, sources=[str(source)], extra_cflags=["-O2"], verbose=False
             )
-        if not module.install():
-            raise RuntimeError("c10 kept another CPU allocator")
     except Exception as error:  # no compiler, no ninja, a failed build: fall back, say so once
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        warnings.warn(
-            "sharedmem: the routing allocator could not be built or installed "
-            f"({type(error).__name__}: {first}); pooled steps fall back to planning out= "
-            "kernels only, and the rest of each step is allocated beside the pool. Install a "
-            "C++ compiler and ninja (once) to serve whole steps from the pool, or set "
-            "SHAREDMEM_ROUTING=0 to silence this.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        _warn_fallback(what, error)
         return None
-    return module
+
+
+def _warn_fallback(what: str, error: BaseException) -> None:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    warnings.warn(
+        f"sharedmem: the {what} could not be built or installed "
+        f"({type(error).__name__}: {first}); pooled steps fall back to planning out= "
+        "kernels only, and the rest of each step is allocated beside the pool. Install a "
+        "C++ compiler and ninja (once) to serve whole steps from the pool, or set "
+        "SHAREDMEM_ROUTING=0 to silence this.",
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 @contextlib.contextmanager

@@ -25,13 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._backends import cuda_torch_ops
+from .cuda_native import cuda_router
 from .native import loaded, native
 from .plan import Recording, RoutePlan, choose_plan, plan_offsets
 
 if TYPE_CHECKING:
     from .._pool import BufferPool
 
-__all__ = ["COUNTERS", "Route", "arena_live_bytes"]
+__all__ = ["COUNTERS", "Route", "arena_live_bytes", "routes_on"]
 
 # The pool counters the router adds to (``pool.stats()``), defined here once.
 COUNTERS = (
@@ -56,8 +58,9 @@ class Route:
     """One signature's allocation sequence over the arena ``arena`` of ``pool``.
 
     Args:
-        pool: the pool that holds the arena (a CPU or emulated pool: the router serves CPU
-            allocations).
+        pool: the pool that holds the arena: a CPU or emulated pool (the CPU router serves
+            its steps), or a CUDA pool once ``install_cuda_router`` ran (the CUDA router, by
+            the step's stream).
         arena: the arena's buffer name; routes of one pool that share it share its bytes
             (train and eval, every batch size), each planned from offset 0.
         training: a training step's route (its arena grows to the step's plan); an inference
@@ -80,7 +83,7 @@ class Route:
     def scope(self) -> Iterator[None]:
         """Serve the block's allocations on this thread: recorded on the first call (and after
         a divergence), replayed from the arena after."""
-        router = native()
+        router = _scopes(self._pool)
         if router is None or router.active():  # no router, or a step inside a step
             yield
             return
@@ -157,7 +160,9 @@ class Route:
             o if o >= 0 else (-1 if f < 0 else -2)
             for o, f in zip(plan.offsets, recording.free_at, strict=True)
         ]
-        self._native_plan = native().Plan(list(recording.sizes), offsets)  # type: ignore[union-attr]
+        module = _module(self._pool)
+        assert module is not None, "a route is planned only where a router runs"
+        self._native_plan = module.Plan(list(recording.sizes), offsets)
 
     def _capacity(self) -> int:
         if self._arena not in self._pool:
@@ -235,8 +240,63 @@ def _kept(recording: Recording) -> str:
 def arena_live_bytes(pool: BufferPool, name: str) -> int:
     """Bytes of routed allocations alive now in the buffer ``name`` of ``pool`` (0 where the
     router never served from it): a buffer holding any must not move or be freed."""
-    router = loaded()
+    router = _module(pool, build=False)
     base = _BASES.get(pool, {}).get(name)
     if router is None or base is None:
         return 0
     return int(router.live_bytes(base))
+
+
+def routes_on(pool: BufferPool) -> bool:
+    """Whether a router serves steps on ``pool``: the CPU router on a CPU or emulated pool
+    (built at first use), the CUDA router on a CUDA pool once it was installed."""
+    return _module(pool) is not None
+
+
+def _module(pool: BufferPool, *, build: bool = True) -> Any | None:
+    """The router module of ``pool``'s device (``build=False``: only if loaded already)."""
+    if _on_cuda(pool):
+        return cuda_router()
+    return native() if build else loaded()
+
+
+def _on_cuda(pool: BufferPool) -> bool:
+    return pool.device.startswith("cuda")
+
+
+def _scopes(pool: BufferPool) -> Any | None:
+    """The scopes a step of ``pool`` opens: the CPU router's, one per thread; the CUDA
+    router's, one per stream (the device's current stream when the step begins)."""
+    module = _module(pool)
+    if module is None or not _on_cuda(pool):
+        return module
+    index = torch.device(pool.device).index
+    if index is None:
+        index = cuda_torch_ops.ops().current_device()
+    return _StreamScopes(module, index)
+
+
+class _StreamScopes:
+    """The CUDA router's calls in the CPU router's shape, for one (device, stream)."""
+
+    def __init__(self, module: Any, index: int) -> None:
+        self._module = module
+        self._key = (index, int(cuda_torch_ops.ops().current_stream(index).cuda_stream))
+
+    def active(self) -> bool:
+        return bool(self._module.active(*self._key))
+
+    def begin_record(self) -> None:
+        self._module.begin_record(*self._key)
+
+    def end_record(self) -> list[list[int]]:
+        return list(self._module.end_record(*self._key))
+
+    def begin_replay(self, plan: Any, base: int, size: int) -> None:
+        self._module.begin_replay(plan, base, size, *self._key)
+
+    def end_replay(self) -> dict[str, int]:
+        return dict(self._module.end_replay(*self._key))
+
+    def live_bytes(self, base: int) -> int:
+        return int(self._module.live_bytes(base))

@@ -69,6 +69,7 @@ from typing import Any
 
 from sharedmem import _backends
 from sharedmem._backends import cuda, cuda_api, cuda_owner, cuda_streams, cuda_torch_ops, cudart
+from sharedmem._routing import cuda_native
 
 from .driver import SimulatedDriver, SimulatedRuntime
 from .memory import GRANULARITY, MINIMUM_GRANULARITY, DeviceMemory
@@ -159,6 +160,7 @@ class SimulatedCuda:
         _forget_cached_choices()
         gc.collect()
         bindings, ops, used = self._previous
+        cuda_native._forget()  # an installed CUDA router was the stand-in's allocator
         cuda_api.install_bindings(bindings)
         cuda_torch_ops.install(ops)
         cuda_api._used = used

@@ -30,6 +30,7 @@ every later synchronization of that device raises, as after an illegal address o
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import random
@@ -43,6 +44,7 @@ import torch
 
 from sharedmem._backends.cuda_torch_ops import TorchCudaOps
 
+from .allocator import UPSTREAM_ALLOC, UPSTREAM_FREE, PluggableAllocator
 from .driver import SimulatedRuntime
 from .memory import DeviceMemory
 
@@ -251,6 +253,8 @@ class SimulatedTorchOps(TorchCudaOps):
         self._pinned: dict[int, int] = {}  # PyTorch-pinned tensors: address -> bytes
         self.initialised = False  # whether PyTorch's CUDA was used (for fork)
         self.bad_fork = False  # a fork child of a process that had initialised CUDA
+        self.allocator: PluggableAllocator | None = None  # installed by install_allocator
+        self.upstream_calls: tuple[Any, ...] = ()
         memory.queued_users = self.queued_users
         _live_ops.add(self)
 
@@ -384,6 +388,43 @@ class SimulatedTorchOps(TorchCudaOps):
             yield
         finally:
             self._device.index = previous
+
+    def routing_upstream(self) -> tuple[int, int]:
+        """The CUDA router's upstream pair, as C calls into the stand-in's memory: an
+        allocation is ``cudaMalloc``'s (uncleared, 256-byte aligned) on the stream's device; a
+        free is stream-ordered, so the stream's queued work runs first, and work another
+        stream still has queued over the bytes is a fault (as with ``cuMemFreeAsync``)."""
+
+        def alloc(out: Any, size: int, stream: int | None) -> int:
+            owner = self.streams.get(stream or 0)
+            device = owner.device_index if owner is not None else self.current_device()
+            address = self.runtime.malloc(size, device)
+            if address is None:
+                return 2  # CUDA_ERROR_OUT_OF_MEMORY
+            out[0] = address
+            return 0
+
+        def free(address: int, stream: int | None) -> int:
+            owner = self.streams.get(stream or 0)
+            if owner is not None:
+                owner.run_until(owner.issued)
+            device = self.memory.allocated_on.get(address)
+            if device is None or not self.runtime.free(address, device):
+                return 1  # CUDA_ERROR_INVALID_VALUE
+            return 0
+
+        self.upstream_calls = (UPSTREAM_ALLOC(alloc), UPSTREAM_FREE(free))  # kept alive
+        return tuple(  # type: ignore[return-value]
+            ctypes.cast(call, ctypes.c_void_p).value for call in self.upstream_calls
+        )
+
+    def install_allocator(self, library: str, alloc: str, free: str) -> None:
+        """What ``CUDAPluggableAllocator`` and ``change_current_allocator`` do: the pair is
+        loaded by name and serves the stand-in's "PyTorch" allocations from now on
+        (``self.allocator``); refused, as PyTorch refuses it, once an allocator was used."""
+        if self.allocator is not None and self.allocator.used:
+            raise RuntimeError("Can't swap an already initialized allocator")
+        self.allocator = PluggableAllocator(self, library, alloc, free)
 
     def current_stream(self, index: int) -> SimulatedStream:
         return self.current[self._index(index)]

@@ -1,0 +1,293 @@
+// The part of the routing allocator that is the same on every device: a step's recording,
+// its plan, the arenas' live allocations, and the decision for the n-th allocation of a step.
+// router.cpp (CPU, over c10's allocator) and cuda_router.cpp (CUDA, a pluggable allocator)
+// each compile their own copy of this state; no device header is included here.
+//
+// The rules (the contract of sharedmem/_routing/__init__.py):
+// - A planned address is handed out only when the allocation's size is the planned size and
+//   no arena allocation still alive overlaps it: a step that frees later than its recording
+//   did (a hook that keeps an activation) can never have its bytes overwritten.
+// - Once a call has left its plan (another size, another count, an overlap), everything after
+//   is served upstream and counted.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace sharedmem_route {
+
+struct Arena {
+  uintptr_t base = 0;
+  size_t size = 0;
+  std::map<uintptr_t, uintptr_t> live;  // start -> end of every arena allocation alive
+  size_t live_bytes = 0;
+};
+
+struct Recording {
+  std::vector<int64_t> sizes, alloc_at, free_at;  // per allocation; free_at -1: still alive
+  int64_t clock = 0;  // one tick per allocation and per free, in order
+};
+
+struct Plan {
+  // offset -1: served upstream, it outlived the recorded call (watched: if it dies inside a
+  // call, the recording is stale); -2: served upstream, the plan left it out.
+  std::vector<int64_t> sizes, offsets;
+};
+
+struct Counts {
+  int64_t served = 0, served_bytes = 0;  // from the arena
+  int64_t planned_out = 0, planned_out_bytes = 0;  // upstream, as planned
+  int64_t fell_back = 0, fell_back_bytes = 0;  // upstream after a divergence or an overlap
+  int64_t diverged_at = -1;  // the allocation where the call left its plan
+  int64_t allocations = 0;
+};
+
+struct Scope {
+  bool recording = false;
+  std::shared_ptr<Recording> rec;  // replaying: the planned-out allocations, watched
+  std::shared_ptr<Plan> plan;
+  std::shared_ptr<Arena> arena;
+  Counts counts;
+};
+
+// What the n-th allocation of a scope gets.
+enum class Serve {
+  kArena,     // the planned address (``Decision::address``)
+  kWatched,   // upstream, and its free is recorded (a recording, or an outliving allocation)
+  kUpstream,  // upstream, nothing to remember
+};
+struct Decision {
+  Serve serve = Serve::kUpstream;
+  void* address = nullptr;
+};
+
+struct Pending {
+  std::shared_ptr<Recording> recording;
+  size_t index;
+};
+
+// One device's routing state: never destroyed (each file keeps it behind a pointer it never
+// deletes), since tensors freed while the process exits must find it intact, whatever order
+// C++ destroys statics in.
+class State {
+ public:
+  // The n-th allocation of ``scope`` (``n`` bytes). The caller serializes allocations of one
+  // scope (a thread-local scope is; a stream's scope is locked by its caller).
+  Decision decide(Scope& scope, size_t n) {
+    Counts& c = scope.counts;
+    int64_t index = c.allocations++;
+    if (scope.recording) return {Serve::kWatched, nullptr};
+    const Plan& plan = *scope.plan;
+    if (c.diverged_at < 0 &&
+        (index >= static_cast<int64_t>(plan.sizes.size()) ||
+         plan.sizes[index] != static_cast<int64_t>(n))) {
+      c.diverged_at = index;
+    }
+    if (c.diverged_at < 0 && plan.offsets[index] >= 0 && n > 0) {
+      Arena& arena = *scope.arena;
+      uintptr_t start = arena.base + static_cast<uintptr_t>(plan.offsets[index]);
+      uintptr_t end = start + n;
+      if (end <= arena.base + arena.size) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (free_range(arena, start, end)) {
+          if (arena.live.empty()) watched_.fetch_add(1);
+          arena.live.emplace(start, end);
+          arena.live_bytes += n;
+          c.served++;
+          c.served_bytes += static_cast<int64_t>(n);
+          return {Serve::kArena, reinterpret_cast<void*>(start)};
+        }
+      }
+      c.diverged_at = index;  // an overlap (or no room): the call is not its recording
+    }
+    if (c.diverged_at < 0) {
+      c.planned_out++;
+      c.planned_out_bytes += static_cast<int64_t>(n);
+      // Watched: one that outlived the recorded call but dies inside this one was recorded
+      // in another state (a gradient present now, absent then): the plan could serve it.
+      return {plan.offsets[index] == -1 ? Serve::kWatched : Serve::kUpstream, nullptr};
+    }
+    c.fell_back++;
+    c.fell_back_bytes += static_cast<int64_t>(n);
+    return {Serve::kUpstream, nullptr};
+  }
+
+  // An upstream allocation ``ptr`` of ``n`` bytes the decision said to watch: appended to the
+  // scope's recording, its free ticked when it comes (``watch``: ``ptr`` will reach
+  // ``release``; a zero-byte allocation has no pointer, is never freed and stays "alive").
+  void record(const Scope& scope, void* ptr, size_t n, bool watch) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Recording& rec = *scope.rec;
+    size_t index = rec.sizes.size();
+    rec.sizes.push_back(static_cast<int64_t>(n));
+    rec.alloc_at.push_back(rec.clock++);
+    rec.free_at.push_back(-1);
+    if (ptr != nullptr && watch) {
+      pending_[ptr] = Pending{scope.rec, index};
+      watched_.fetch_add(1);
+    }
+  }
+
+  // ``ptr`` is being freed: true where it was an arena allocation (its bytes belong to the
+  // pool: nothing to give back upstream); a watched one has its free recorded.
+  bool release(void* ptr) {
+    if (watched_.load(std::memory_order_acquire) == 0) return false;
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = pending_.find(ptr);
+    if (it != pending_.end()) {
+      Recording& rec = *it->second.recording;
+      rec.free_at[it->second.index] = rec.clock++;
+      pending_.erase(it);
+      watched_.fetch_sub(1);
+      return false;
+    }
+    auto at = reinterpret_cast<uintptr_t>(ptr);
+    for (auto& arena : arenas_) {
+      if (at < arena->base || at >= arena->base + arena->size) continue;
+      auto live = arena->live.find(at);
+      if (live != arena->live.end()) {
+        arena->live_bytes -= live->second - live->first;
+        arena->live.erase(live);
+        if (arena->live.empty()) watched_.fetch_sub(1);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  std::unique_ptr<Scope> recording_scope() {
+    auto scope = std::make_unique<Scope>();
+    scope->recording = true;
+    scope->rec = std::make_shared<Recording>();
+    return scope;
+  }
+
+  std::unique_ptr<Scope> replay_scope(const std::shared_ptr<Plan>& plan, uintptr_t base,
+                                      size_t size) {
+    auto scope = std::make_unique<Scope>();
+    scope->plan = plan;
+    scope->rec = std::make_shared<Recording>();
+    scope->arena = arena_at(base, size);
+    return scope;
+  }
+
+  // A closed recording as three lists (size, allocated at, freed at or -1).
+  std::vector<std::vector<int64_t>> recorded(const Scope& scope) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Recording& rec = *scope.rec;
+    std::vector<std::vector<int64_t>> out{rec.sizes, rec.alloc_at, rec.free_at};
+    forget_pending(rec);  // what is still alive outlives the call: its free_at stays -1
+    return out;
+  }
+
+  // A closed replay's counts.
+  std::map<std::string, int64_t> replayed(const Scope& scope) {
+    const Counts& c = scope.counts;
+    int64_t planned = static_cast<int64_t>(scope.plan->sizes.size());
+    int64_t diverged_at = c.diverged_at;
+    if (diverged_at < 0 && c.allocations != planned) diverged_at = c.allocations;
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t out_freed = 0;
+    const Recording& rec = *scope.rec;
+    for (size_t i = 0; i < rec.sizes.size(); ++i) {
+      if (rec.free_at[i] >= 0) out_freed += rec.sizes[i];
+    }
+    forget_pending(rec);
+    return {
+        {"planned_out_freed_bytes", out_freed},
+        {"allocations", c.allocations},
+        {"served", c.served},
+        {"served_bytes", c.served_bytes},
+        {"planned_out", c.planned_out},
+        {"planned_out_bytes", c.planned_out_bytes},
+        {"fell_back", c.fell_back},
+        {"fell_back_bytes", c.fell_back_bytes},
+        {"diverged_at", diverged_at},
+        {"live", static_cast<int64_t>(scope.arena->live.size())},
+        {"live_bytes", static_cast<int64_t>(scope.arena->live_bytes)},
+    };
+  }
+
+  // Bytes of arena allocations alive now in the arena at ``base`` (0 for an unknown arena).
+  int64_t live_bytes(uintptr_t base) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& arena : arenas_) {
+      if (arena->base == base) return static_cast<int64_t>(arena->live_bytes);
+    }
+    return 0;
+  }
+
+ private:
+  static bool free_range(const Arena& arena, uintptr_t start, uintptr_t end) {
+    auto next = arena.live.lower_bound(start);
+    if (next != arena.live.end() && next->first < end) return false;
+    if (next != arena.live.begin() && std::prev(next)->second > start) return false;
+    return true;
+  }
+
+  // Stop watching the allocations of ``rec`` still alive (the caller holds the lock).
+  void forget_pending(const Recording& rec) {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->second.recording.get() == &rec) {
+        it = pending_.erase(it);
+        watched_.fetch_sub(1);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  std::shared_ptr<Arena> arena_at(uintptr_t base, size_t size) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& arena : arenas_) {
+      if (arena->base == base) {
+        arena->size = std::max(arena->size, size);  // grown in place
+        return arena;
+      }
+    }
+    // Arenas that moved away and hold nothing alive are forgotten.
+    std::vector<std::shared_ptr<Arena>> kept;
+    for (auto& arena : arenas_) {
+      if (!arena->live.empty()) kept.push_back(arena);
+    }
+    auto arena = std::make_shared<Arena>();
+    arena->base = base;
+    arena->size = size;
+    kept.push_back(arena);
+    arenas_.swap(kept);
+    return arena;
+  }
+
+  // One lock for the arenas' live maps and the recordings' pending frees: frees may come from
+  // any thread (a tensor dropped elsewhere), and it is held for a map operation only.
+  std::mutex mutex_;
+  // How many arenas hold live allocations plus how many allocations recordings wait on: a
+  // free takes the lock only while this is non-zero.
+  std::atomic<int64_t> watched_{0};
+  std::vector<std::shared_ptr<Arena>> arenas_;
+  std::unordered_map<void*, Pending> pending_;  // recorded allocations not yet freed
+};
+
+// The plan's Python class, one per module (``module_local``: pybind11 would otherwise refuse
+// the second module's registration of the same C++ type).
+inline void bind_plan(pybind11::module_& m) {
+  pybind11::class_<Plan, std::shared_ptr<Plan>>(m, "Plan", pybind11::module_local())
+      .def(pybind11::init([](std::vector<int64_t> sizes, std::vector<int64_t> offsets) {
+        TORCH_CHECK(sizes.size() == offsets.size(), "sharedmem: a plan needs an offset per size");
+        auto plan = std::make_shared<Plan>();
+        plan->sizes = std::move(sizes);
+        plan->offsets = std::move(offsets);
+        return plan;
+      }));
+}
+
+}  // namespace sharedmem_route
