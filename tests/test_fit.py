@@ -532,3 +532,14 @@ def test_max_slowdown_with_fixed_chunks_says_to_give_a_budget() -> None:
         sm.pooled_train_step(
             deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), chunks=2, max_slowdown=1.2
         )
+
+
+def test_recomputing_up_to_the_whole_step_and_as_much_as_lowers_the_peak_are_two_plans() -> None:
+    # True == 1.0 in Python: the two settings must still compile two graphs, not share one.
+    x, y, _ = _cnn_batch()
+    step = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"))
+    for setting in (1.0, True):
+        step.recompute_heavy = setting
+        step.model.zero_grad(set_to_none=True)  # the same signature, gradients and all
+        step(x, y)
+    assert len(step.plan_summaries()) == 2

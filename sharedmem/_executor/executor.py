@@ -305,6 +305,11 @@ class Executor:
             recompute_cost=float(traced.gm.meta.get("recompute_cost", 0.0)),
         )
 
+    def _recompute_key(self) -> tuple[str, float | bool]:
+        """``recompute_heavy`` in a compiled step's key: with its type, since ``True`` (as
+        much as lowers the peak) equals ``1.0`` (up to the step's own time) as a number."""
+        return type(self.recompute_heavy).__name__, self.recompute_heavy
+
     def _recompute(self, traced: Traced) -> tuple[Traced, int]:
         """``traced`` with its cheap long-idle values computed again where read late (see
         ``recompute``), and how many; the per-node baseline keeps the graph as traced."""

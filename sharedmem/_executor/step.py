@@ -55,7 +55,7 @@ class PooledTrainStep(Executor):
         # Gradients already there are added into inside the graph (see ``accumulate``); the
         # DDP path keeps them out of it, since its buckets average the new gradients alone.
         present = () if self._sync is not None else tuple(p.grad is not None for p in state.params)
-        key = (*traced_key, present, self.recompute_heavy)
+        key = (*traced_key, present, self._recompute_key())
         compiled = self._cache.get(key)
         if compiled is None:
             self._check_devices(state, x, y)
@@ -122,7 +122,7 @@ class PooledTrainStep(Executor):
             present = tuple(
                 p.grad is not None if with_grads is None else with_grads for p in state.params
             )
-        recorded = self._recorded((*key, present, self.recompute_heavy), returned_bytes(traced.gm))
+        recorded = self._recorded((*key, present, self._recompute_key()), returned_bytes(traced.gm))
         traced = self._with_grads(traced, state, present)
         return recorded or self._memory_plan(traced, outputs_in_pool=False)
 
