@@ -66,8 +66,9 @@ def recompute(gm: GraphModule, *, heavy: bool | float = False) -> tuple[GraphMod
     """A copy of ``gm`` whose cheap long-idle values are computed again where read late, and
     how many were (``gm`` itself when none is).
 
-    ``heavy`` gives time for memory, to meet a budget without chunks: convolutions and matrix
-    products are recomputed too, and shorter gaps are taken. ``True``: every such value idle
+    ``heavy`` gives time for memory, to meet a budget without chunks: convolutions, matrix
+    products and attention are recomputed too (through views and splits, chains up to
+    ``MAX_CHAIN_HEAVY``), and shorter gaps are taken. ``True``: every such value idle
     across the busiest node; a number: values chosen cheapest first (modelled time per byte
     freed, see ``cost``) while their modelled time stays within that fraction of the step's
     own. The copy's ``meta["recompute_cost"]`` is the fraction its recomputation adds."""
@@ -78,9 +79,10 @@ def recompute(gm: GraphModule, *, heavy: bool | float = False) -> tuple[GraphMod
     fakes = fake_mode(graph)
     if fakes is None or not _static(graph):
         return gm, 0  # (a data-dependent shape is refused, with its source line, by analyse)
-    total = graph_cost(graph)
+    giving = heavy is not False and heavy != 0
+    total = graph_cost(graph) if giving else 0.0  # the step's own, as traced
     count, spent = _in_graph_order(graph, fakes), 0.0  # the default's, free: always first
-    if heavy is not False and heavy != 0:
+    if giving:
         allowance = math.inf if heavy is True else float(heavy) * total
         more, spent = _cheapest_first(graph, fakes, allowance)
         count += more

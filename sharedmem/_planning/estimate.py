@@ -196,7 +196,11 @@ def estimate(
             pooled = PooledTrainStep(model, loss, BufferPool("cpu"))
             train_plan = pooled.memory_plan(_real(inputs), _real(targets))
             recomputed = _time_for_memory(
-                pooled, _real(inputs), _real(targets), own_peak(train, buckets, rounding)
+                pooled,
+                _real(inputs),
+                _real(targets),
+                train_plan,
+                _own_peak(train, buckets, rounding),
             )
         else:  # a frozen model: its "train step" is a training-mode forward and the loss
             train_plan = PooledForward(model, BufferPool("cpu")).memory_plan(_real(inputs))
@@ -212,7 +216,7 @@ def estimate(
     train_peak_eager = static + state + max(train.forward_backward, grads + train.step_temporaries)
     # The plan's own timeline: what runs beside the pool (unpooled results, their scratch,
     # the new gradients) at its busiest node; then the optimizer's step beside the gradients.
-    step_peak_pooled = own_peak(train, buckets, rounding)(train_plan)
+    step_peak_pooled = _own_peak(train, buckets, rounding)(train_plan)
     train_peak_pooled = static - buckets + state + step_peak_pooled
     eval_static = train.parameters + train.model_inputs
     categories = {
@@ -239,7 +243,7 @@ def estimate(
     )
 
 
-def own_peak(
+def _own_peak(
     train: _Train, buckets: int, rounding: Callable[[int], int]
 ) -> Callable[[MemoryPlan], int]:
     """A pooled train step's own peak (what a budget counts) from its plan: the pool's planned
@@ -253,20 +257,26 @@ def own_peak(
 
 
 def _time_for_memory(
-    step: PooledTrainStep, inputs: object, targets: object, own_peak: Callable[[MemoryPlan], int]
+    step: PooledTrainStep,
+    inputs: object,
+    targets: object,
+    default: MemoryPlan,
+    own_peak: Callable[[MemoryPlan], int],
 ) -> list[tuple[float, int]]:
     """The pooled step's own peak (``own_peak`` of its plan) with recomputation at +35%
     modelled time and at as much as lowers the peak, each with its modelled cost; a setting
-    that lowers nothing below the one before it is left out."""
+    that lowers nothing below the one before it (first: ``default``, the step's own plan) is
+    left out."""
     found: list[tuple[float, int]] = []
-    lowest = own_peak(step.memory_plan(inputs, targets))
+    lowest = own_peak(default)
     try:
         for level in (0.35, True):
             step.recompute_heavy = level
             plan = step.memory_plan(inputs, targets)
-            if own_peak(plan) < lowest and plan.recompute_cost > 0:
-                lowest = own_peak(plan)
-                found.append((plan.recompute_cost, lowest))
+            peak = own_peak(plan)
+            if peak < lowest and plan.recompute_cost > 0:
+                lowest = peak
+                found.append((plan.recompute_cost, peak))
     finally:
         step.recompute_heavy = False
     return found
