@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import sharedmem as sm
-from sharedmem._executor.cost import FLOPS_PER_BYTE, graph_cost, op_cost
+from sharedmem._executor.cost import FLOPS_PER_BYTE, RANDOM_FLOPS_PER_ELEMENT, graph_cost, op_cost
 from sharedmem._executor.recompute import recompute
 from sharedmem.testing import allocator_peak
 
@@ -234,3 +234,71 @@ def test_heavy_recomputation_takes_attention_and_split_values_again_bit_for_bit(
     assert torch.equal(step(x, y), F.cross_entropy(eager(x), y).detach())
     for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+class DropoutBlock(nn.Module):
+    """A transformer block as trained: dropout on the attention weights and on both branches."""
+
+    def __init__(self, width: int = 32, heads: int = 4, p: float = 0.1) -> None:
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        weights = F.dropout((q @ k.transpose(-1, -2) / 8).softmax(-1), self.p, self.training)
+        y = (weights @ v).transpose(1, 2).reshape(batch, length, width)
+        x = x + F.dropout(self.proj(y), self.p, self.training)
+        return x + F.dropout(self.mlp(self.norm2(x)), self.p, self.training)
+
+
+def test_dropout_is_recomputed_from_the_saved_generator_state_bit_for_bit() -> None:
+    # Dropout's noise (four bytes an element on CPU) is drawn again in backward from the
+    # generator state saved right before the forward's draw: the same masks, the same
+    # gradients, and the generator ends where eager's does, so every later draw is eager's.
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        blocks = [DropoutBlock() for _ in range(3)]
+        return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(32 * 32, 10))
+
+    x, y = torch.randn(8, 32, 32), torch.randint(0, 10, (8,))
+    eager, model = make(), make()
+    step = sm.pooled_train_step(model, F.cross_entropy, pool=sm.BufferPool("cpu"))
+    step.recompute_heavy = True
+    step.memory_plan(x, y)
+    (traced,) = step._traced.values()
+    graph = recompute(traced.gm, heavy=True)[0].graph
+    replays = [n for n in graph.nodes if str(n.target).startswith("sharedmem.replay_bernoulli")]
+    assert replays, "no dropout was drawn again"
+    for seed in range(3):
+        torch.manual_seed(seed)
+        eager.zero_grad(set_to_none=True)
+        expected = F.cross_entropy(eager(x), y)
+        expected.backward()
+        after_eager = torch.get_rng_state()
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        assert torch.equal(step(x, y), expected.detach()), seed
+        assert torch.equal(torch.get_rng_state(), after_eager), seed
+        for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (seed, name)
+
+
+def test_the_cost_model_prices_a_cpu_draw_by_its_elements() -> None:
+    # A CPU's random numbers are compute-bound: pricing a draw by its bytes would make
+    # replaying dropout look as cheap as a ReLU.
+    step = sm.pooled_train_step(DropoutBlock(), lambda out, _: out.sum(), pool=sm.BufferPool("cpu"))
+    x = torch.randn(4, 16, 32)
+    step.memory_plan(x, x)
+    (traced,) = step._traced.values()
+    draws = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.bernoulli_.float]
+    assert len(draws) == 3
+    for draw in draws:
+        assert op_cost(draw) == draw.meta["val"].numel() * RANDOM_FLOPS_PER_ELEMENT

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 import sharedmem as sm
-from sharedmem._planning.fit import recompute_levels
+from sharedmem._executor import cost
+from sharedmem._planning.fit import REFINE_STEPS, recompute_levels
 from sharedmem.testing import allocator_peak
 
 F = nn.functional
@@ -405,6 +406,8 @@ def test_bad_arguments_say_what_is_wrong() -> None:
         ({"chunks": 2, "batch_dim": -1}, ValueError, "batch_dim"),
         ({"chunks": 2, "split": 3}, TypeError, "split"),
         ({"chunks": 2, "reduction": "max"}, ValueError, "reduction"),
+        ({"budget": 10, "exact": "no"}, TypeError, "exact"),
+        ({"exact": False}, ValueError, "exact=False"),
     ]:
         with pytest.raises(error, match=f"^sharedmem: .*{text}"):
             sm.pooled_train_step(mlp(0), F.mse_loss, pool=pool, **kwargs)  # type: ignore[arg-type]
@@ -470,17 +473,46 @@ def test_a_budget_takes_the_least_recomputation_that_fits() -> None:
     fitted = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=budget)
     assert fitted.chunks_for(x, y) == 1 and fitted.recomputing
     chosen = fitted.recompute_heavy
-    levels = recompute_levels(None)
-    assert chosen in levels and chosen is not True
-    # The setting before it (less recomputed) does not fit; the chosen one's cost is reported.
-    less = levels[levels.index(chosen) - 1] if levels.index(chosen) else False
-    fitted.step.recompute_heavy = less
+    assert chosen is not True and chosen is not False
+    # Bisected over the levels, then between the two around it: a setting less by the last
+    # step of that search (less recomputed) does not fit; the chosen one's cost is reported.
+    levels = [v for v in recompute_levels(None) if v is not True]
+    upper = min(v for v in levels if v >= chosen)
+    below = max((v for v in levels if v < upper), default=0.0)
+    assert below < chosen <= upper
+    less = chosen - (upper - below) / 2**REFINE_STEPS
+    fitted.step.recompute_heavy = less if less > 1e-12 else False
     assert not fitted._need(x, y, 1, False).fits(budget, None)  # type: ignore[union-attr]
     fitted.step.recompute_heavy = False
     fitted(x, y)
     summary = fitted.step.plan_summary()
     assert 0 < summary.recompute_cost <= float(chosen)
     assert "modelled" in str(summary) and "modelled" in fitted.report()
+
+
+@pytest.mark.parametrize("per_call", [0.0, 1e12])
+def test_exact_false_takes_whichever_of_chunks_and_recomputation_is_modelled_faster(
+    per_call: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a chunk adds is mostly the fixed cost of calling every op again: free, chunks
+    # add only the weights read again; dear, they cost more than any recomputation.
+    monkeypatch.setattr(cost, "OP_CALL_FLOPS", per_call)
+    x, y, unchunked = _cnn_batch()
+    budget = int(unchunked * 0.8)
+    exact = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=budget)
+    assert exact.chunks_for(x, y) == 1 and exact.recomputing and not exact.compared
+    either = sm.pooled_train_step(
+        deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=budget, exact=False
+    )
+    chosen = either.chunks_for(x, y)
+    ((label, (chunks, by_chunks, by_recomputing)),) = either.compared.items()
+    assert chunks > 1 and by_recomputing > 0 and label in either.report()
+    if per_call:
+        assert by_chunks > by_recomputing and chosen == 1 and either.recomputing
+    else:
+        assert 0 <= by_chunks < by_recomputing and chosen == chunks and not either.recomputing
+    loss = either(x, y)
+    assert torch.isfinite(loss) and all(p.grad is not None for p in either.model.parameters())
 
 
 def test_max_slowdown_caps_the_recomputation_a_budget_may_choose() -> None:

@@ -20,9 +20,25 @@ import torch
 from torch._ops import OpOverload
 from torch.fx import Graph, Node
 
-__all__ = ["FLOPS_PER_BYTE", "graph_cost", "op_cost"]
+from .ops import EMPTY_FACTORIES
+
+__all__ = [
+    "FLOPS_PER_BYTE",
+    "OP_CALL_FLOPS",
+    "RANDOM_FLOPS_PER_ELEMENT",
+    "call_cost",
+    "graph_cost",
+    "op_cost",
+]
 
 FLOPS_PER_BYTE = 8.0
+# A CPU's random numbers are compute-bound: ``bernoulli_`` (dropout's draw) takes about 10 ns
+# an element on this project's 2-core CPU, where a matmul does about 95 GFLOP/s. A GPU's
+# Philox draws are memory-bound like any pointwise op.
+RANDOM_FLOPS_PER_ELEMENT = 1000.0
+# What calling one op costs whatever its size (dispatch from the generated code, the kernel's
+# launch): about 3 us on this CPU. It is what running a batch in chunks adds, per op per chunk.
+OP_CALL_FLOPS = 3e5
 
 aten = torch.ops.aten
 
@@ -37,6 +53,12 @@ def op_cost(node: Node) -> float:
     flops = _flops(node, target)
     if flops is not None:
         return flops
+    if target in EMPTY_FACTORIES:
+        return 0.0  # allocates, computes nothing
+    val = node.meta.get("val")
+    drawn = torch.Tag.nondeterministic_seeded in target.tags
+    if drawn and isinstance(val, torch.Tensor) and val.device.type == "cpu":
+        return val.numel() * RANDOM_FLOPS_PER_ELEMENT
     schema = target._schema
     if len(schema.returns) == 1 and schema.returns[0].alias_info is not None:
         return 0.0  # a view (or an in-place op's returned alias, counted by its write)
@@ -47,6 +69,12 @@ def op_cost(node: Node) -> float:
 def graph_cost(graph: Graph) -> float:
     """The modelled time of every op of ``graph``, in flops."""
     return sum(op_cost(n) for n in graph.nodes)
+
+
+def call_cost(graph: Graph) -> float:
+    """The modelled time of one call of ``graph``: its ops' work and a fixed cost per op."""
+    calls = sum(1 for n in graph.nodes if n.op == "call_function")
+    return graph_cost(graph) + calls * OP_CALL_FLOPS
 
 
 def _flops(node: Node, target: OpOverload) -> float | None:

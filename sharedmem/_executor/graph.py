@@ -265,7 +265,14 @@ def _scratch(node: Node, results: list[torch.Tensor]) -> int:
     # an out= form (oneDNN's convolutions, their backward) allocate working copies while they
     # run, a convolution's about its input in oneDNN's blocked layout, its backward's about
     # its input plus its results. So: the biggest tensor argument plus the results, an upper
-    # bound for pointwise and reduction kernels, which need none.
+    # bound for reduction kernels, which need none. Pointwise kernels and random fills write
+    # their results directly (``kernel_memory`` does not measure them for that reason).
+    target = node.target
+    if isinstance(target, OpOverload) and {
+        torch.Tag.pointwise,
+        torch.Tag.nondeterministic_seeded,
+    } & set(target.tags):
+        return 0
     inputs = [n.meta.get("val") for n in node.all_input_nodes]
     biggest = max((extent(t) for t in inputs if isinstance(t, torch.Tensor)), default=0)
     return biggest + sum(extent(r) for r in results)

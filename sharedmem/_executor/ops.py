@@ -19,7 +19,16 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-__all__ = ["Adapt", "Kind", "OpRule", "fill_value", "in_grad_mode", "rule_for"]
+__all__ = [
+    "EMPTY_FACTORIES",
+    "Adapt",
+    "Kind",
+    "OpRule",
+    "fill_value",
+    "in_grad_mode",
+    "library",
+    "rule_for",
+]
 
 aten = torch.ops.aten
 
@@ -54,7 +63,7 @@ class OpRule:
 
 
 # Factories whose result is uninitialised memory: a pool view is exactly as good.
-_EMPTY: frozenset[OpOverload] = frozenset(
+EMPTY_FACTORIES: frozenset[OpOverload] = frozenset(
     {
         aten.empty.memory_format,
         aten.empty_like.default,
@@ -159,20 +168,25 @@ def in_grad_mode(op: object) -> OpOverload | None:
     return _grad_mode_op(op) if op in _GRAD_MODE else None
 
 
-@functools.cache
-def _grad_mode_op(op: OpOverload) -> OpOverload:
+def library() -> torch.library.Library:
+    """The ``sharedmem`` op namespace, where the executor defines the ops it adds to graphs."""
     if not _LIBRARY:
         _LIBRARY.append(torch.library.Library("sharedmem", "FRAGMENT"))  # type: ignore[no-untyped-call]
-    library = _LIBRARY[0]
+    return _LIBRARY[0]
+
+
+@functools.cache
+def _grad_mode_op(op: OpOverload) -> OpOverload:
+    namespace = library()
     base = op._schema.name.split("::")[-1]
     name = f"grad_mode_{base}"
-    library.define(name + str(op._schema).split("::", 1)[1].removeprefix(base))  # type: ignore[no-untyped-call]
+    namespace.define(name + str(op._schema).split("::", 1)[1].removeprefix(base))  # type: ignore[no-untyped-call]
 
     def run(*args: object, **kwargs: object) -> object:
         with torch.enable_grad():
             return op(*args, **kwargs)
 
-    library.impl(name, run, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+    namespace.impl(name, run, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
     found: OpOverload = getattr(torch.ops.sharedmem, name).default
     return found
 
@@ -185,7 +199,7 @@ def fill_value(op: OpOverload, args: _Args, kwargs: _Kwargs) -> object:
 @functools.cache
 def rule_for(op: OpOverload, device_type: str) -> OpRule:
     """How ``op`` runs in the executor on ``device_type`` (``"cpu"`` or ``"cuda"``)."""
-    if op in _EMPTY:
+    if op in EMPTY_FACTORIES:
         return OpRule(Kind.EMPTY)
     if op in _FILL:
         return OpRule(Kind.FILL)

@@ -9,7 +9,9 @@ occupy memory across the whole gap. This is what ``torch.compile``'s partitioner
 it changes no bit: the recomputation is the very op eager ran, on the very same inputs, and
 the kernels it takes are deterministic (pointwise ops without randomness, layer norm, and
 batch norm in training mode, computed again without running statistics so they are updated
-once).
+once). Giving time for memory (``heavy``), convolutions, matrix products and attention are
+computed again too, and dropout's noise is drawn again from the generator state saved right
+before the forward drew it (``replay``): the same masks, and the generator put back after.
 
 A value is recomputed only where that gives the same bits and cannot cost memory: no input
 of the recomputation is written in place in between; every input is alive at that point
@@ -34,6 +36,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .cost import graph_cost, op_cost
 from .graph import fake_mode, fresh_fake
+from .ops import EMPTY_FACTORIES
+from .replay import replay_op, replayable, rng_state_op, state_bytes
 
 __all__ = ["recompute"]
 
@@ -60,6 +64,8 @@ _HEAVY = frozenset(
     {aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default, _ATTENTION}
 )
 HEAVY_MIN_GAP = 4
+# A random fill is replayed only where it frees this many times the generator state it keeps.
+REPLAY_MIN_RATIO = 4
 
 
 def recompute(gm: GraphModule, *, heavy: bool | float = False) -> tuple[GraphModule, int]:
@@ -129,7 +135,8 @@ def _cheapest_first(graph: Graph, fakes: object, allowance: float) -> tuple[int,
             found = _candidate(index, value, heavy=True)
             if found is None:
                 continue
-            cost = sum(op_cost(n) for n in _producers(found.chain))
+            ops = [*_producers(found.chain), *_chain_writers(index, found.chain)]
+            cost = sum(op_cost(n) for n in ops)
             if spent + cost > allowance:
                 continue
             freed = value.meta["val"].untyped_storage().nbytes() or 1
@@ -140,6 +147,11 @@ def _cheapest_first(graph: Graph, fakes: object, allowance: float) -> tuple[int,
         _apply(graph, index, best[2], fakes)
         count += 1
         spent += best[1]
+
+
+def _chain_writers(index: _Index, chain: list[Node]) -> list[Node]:
+    """The in-place writes a chain replays."""
+    return [w for value in chain for w in _writers(index, value)]
 
 
 def _producers(chain: list[Node]) -> list[Node]:
@@ -241,6 +253,8 @@ def _recomputable(node: Node, heavy: bool = False) -> bool:
         return False
     if heavy and target in _HEAVY:
         return isinstance(node.meta.get("val"), torch.Tensor) or target in _MULTI
+    if heavy and target in EMPTY_FACTORIES:
+        return _random_filled(node)
     if target is _BATCH_NORM:
         return len(node.args) > 5 and node.args[5] is True
     if target is _LAYER_NORM:
@@ -255,12 +269,24 @@ def _recomputable(node: Node, heavy: bool = False) -> bool:
     )
 
 
+def _random_filled(node: Node) -> bool:
+    """Whether ``node`` is a fresh tensor (dropout's noise) that a random fill overwrites
+    whole, and big enough that keeping the generator's state instead is worth it."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    if val.untyped_storage().nbytes() < REPLAY_MIN_RATIO * state_bytes(val.device):
+        return False
+    return any(replayable(u) and u.args[0] is node for u in node.users)
+
+
 def _only_views(index: _Index, value: Node, *, writers: bool = False) -> bool:
     # The value's storage is reached through the value and chains of views of it alone
     # (detach, reshape, transpose ...), and each view can be taken again of the recomputed
     # value. ``writers``: in-place pointwise ops on it are allowed too (torchvision's
-    # ``ReLU(inplace=True)`` after a batch norm, the ``+=`` of a residual), replayed in order
-    # on the recomputed value (``_apply``); elsewhere nothing may write it.
+    # ``ReLU(inplace=True)`` after a batch norm, the ``+=`` of a residual), and random fills
+    # from the default generator (dropout's noise), replayed in order on the recomputed value
+    # (``_apply``); elsewhere nothing may write it.
     key = index.key.get(value)
     if key is None or key in index.inputs:
         return False
@@ -276,7 +302,8 @@ def _only_views(index: _Index, value: Node, *, writers: bool = False) -> bool:
         if not isinstance(target, OpOverload):
             return False
         if _writes(member):
-            if not (writers and _inplace_pointwise(member) and member.args[0] in members):
+            replayed = _inplace_pointwise(member) or replayable(member)
+            if not (writers and replayed and member.args[0] in members):
                 return False
             continue
         returns = target._schema.returns
@@ -353,20 +380,30 @@ def _candidate(index: _Index, value: Node, heavy: bool = False) -> _Candidate | 
     if gap < (HEAVY_MIN_GAP if heavy else MIN_GAP) or not points[split - 1] < index.busiest < at:
         return None
     late = [r for r in readers if index.position[r] >= at]
-    if any(_writes(r) for r in late):
+    if any(_writes(r) for r in late) or not _writes_replayable(index, value, at):
         return None
-    # In-place writes are replayed on the recomputed value: each must come before the late
-    # readers, and its other inputs must be there, unchanged, when it is replayed.
-    for writer in _writers(index, value):
-        if index.position[writer] >= at:
-            return None
-        for arg in _nodes_in([*writer.args[1:], *writer.kwargs.values()]):
-            if not index.alive_at(arg, at) or not index.unchanged(arg, index.position[writer], at):
-                return None
     chain = _chain(index, value, at, 0, heavy)
     if chain is None:
         return None
     return _Candidate(value, at, late, chain)
+
+
+def _writes_replayable(index: _Index, value: Node, at: int) -> bool:
+    """Whether ``value``'s in-place writes can be replayed on it computed again at ``at``:
+    each comes before that, and its other inputs are there, unchanged, when it is replayed;
+    a fresh tensor's first write is a random fill of the whole of it."""
+    writers = _writers(index, value)
+    if value.target in EMPTY_FACTORIES and (
+        not writers or not replayable(writers[0]) or writers[0].args[0] is not value
+    ):
+        return False
+    for writer in writers:
+        if index.position[writer] >= at:
+            return False
+        for arg in _nodes_in([*writer.args[1:], *writer.kwargs.values()]):
+            if not index.alive_at(arg, at) or not index.unchanged(arg, index.position[writer], at):
+                return False
+    return True
 
 
 def _apply(graph: Graph, index: _Index, found: _Candidate, fakes: object) -> None:
@@ -375,10 +412,10 @@ def _apply(graph: Graph, index: _Index, found: _Candidate, fakes: object) -> Non
     made: dict[Node, Node] = {}
     members = index.members[key]
     with graph.inserting_before(first_late):
-        for original in found.chain:
+        for original in found.chain:  # each value with its in-place writes, in order
             made[original] = _emit(graph, original, made, fakes)
-        for writer in _writers(index, found.value):
-            made[writer] = _emit_write(graph, writer, made, fakes)
+            for writer in _writers(index, original):
+                made[writer] = _emit_write(graph, writer, made, fakes)
         for reader in found.late:
             for member in members:
                 if member in reader.all_input_nodes:
@@ -420,10 +457,19 @@ def _view_again(graph: Graph, member: Node, made: dict[Node, Node], fakes: objec
 
 
 def _emit_write(graph: Graph, writer: Node, made: dict[Node, Node], fakes: object) -> Node:
-    """The in-place op ``writer`` again, on the recomputed value (its first argument)."""
+    """The in-place op ``writer`` again, on the recomputed value (its first argument); a
+    random fill draws again from the generator state saved right before the forward's."""
     target = _op(writer)
     base = _view_again(graph, writer.args[0], made, fakes)  # type: ignore[arg-type]
-    again = graph.call_function(target, (base, *writer.args[1:]), dict(writer.kwargs))
+    if replayable(writer):
+        with graph.inserting_before(writer):
+            state = graph.call_function(rng_state_op(), (writer.args[0],))
+        with fakes:  # type: ignore[attr-defined]
+            state.meta["val"] = rng_state_op()(writer.args[0].meta["val"])  # type: ignore[union-attr]
+        args: tuple[Argument, ...] = (state, base, *writer.args[1:])
+        again = graph.call_function(replay_op(target), args, dict(writer.kwargs))
+    else:
+        again = graph.call_function(target, (base, *writer.args[1:]), dict(writer.kwargs))
 
     def val(a: object) -> object:
         return a.meta["val"] if isinstance(a, Node) else a
@@ -453,6 +499,8 @@ def _chain(
     producer = value.args[0] if value.target is operator.getitem else value
     assert isinstance(producer, Node)
     args = producer.args[:3] if producer.target is _BATCH_NORM else producer.args
+    if producer.target in EMPTY_FACTORIES:
+        args = ()  # made again from its layout alone
     chain: list[Node] = []
     for arg in _nodes_in(args):
         if not index.unchanged(arg, index.position[producer], at):
@@ -460,16 +508,28 @@ def _chain(
         if index.alive_at(arg, at):
             continue
         # Giving time for memory, an input that is a view (the reshape before a matrix
-        # product) is taken again of its value computed again (``_emit``).
-        base = _view_root(arg) if heavy else arg
+        # product) is taken again of its value computed again (``_emit``), and one written
+        # in place (dropout's noise, filled and scaled) is its value with the writes replayed.
+        base = _written_root(_view_root(arg)) if heavy else arg
         limit = MAX_CHAIN_HEAVY if heavy else MAX_CHAIN
-        if depth + 1 >= limit or _value(base, heavy) is not base or not _only_views(index, base):
+        if depth + 1 >= limit or _value(base, heavy) is not base:
+            return None
+        if not _only_views(index, base, writers=heavy and base.target in EMPTY_FACTORIES):
+            return None
+        if heavy and not _writes_replayable(index, base, at):
             return None
         sub = _chain(index, base, at, depth + 1, heavy)
         if sub is None:
             return None
         chain += [n for n in sub if n not in chain]
     return [*chain, value]
+
+
+def _written_root(node: Node) -> Node:
+    """The value an in-place op's result is (``node`` itself if it writes nothing)."""
+    while _writes(node) and node.args and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
 
 
 def _view_root(node: Node) -> Node:
@@ -526,6 +586,14 @@ def _emit(graph: Graph, value: Node, made: dict[Node, Node], fakes: object) -> N
         again.meta["stack_trace"] = producer.meta.get("stack_trace")
         out = graph.call_function(operator.getitem, (again, 0))
         out.meta["val"] = again.meta["val"][0]
+    elif value.target in EMPTY_FACTORIES:  # fresh memory of the same layout (a fill follows)
+        val = value.meta["val"]
+        out = graph.call_function(
+            aten.empty_strided.default,
+            (list(val.shape), list(val.stride())),
+            {"dtype": val.dtype, "device": val.device, "pin_memory": False},
+        )
+        out.meta["val"] = fresh_fake(val, fakes)
     else:
         args = tuple(arg(a) for a in value.args)
         kwargs = {k: arg(v) for k, v in value.kwargs.items()}

@@ -16,6 +16,7 @@ from .._pool import BufferPool
 from .accumulate import accumulating, obeys_layout, relayout
 from .binding import State
 from .calling import OwnLoss, check_targets
+from .cost import call_cost, graph_cost
 from .distributed import GradientSync, after_forward, sync_buffers
 from .executor import Executor, MemoryPlan, describe, returned_bytes
 from .trace import Traced, flatten, trace_forward, trace_train
@@ -109,14 +110,7 @@ class PooledTrainStep(Executor):
         (nothing is allocated in the pool). ``with_grads``: planned as if every parameter
         had a ``.grad`` to add into (``True``: a chunk after the first), or none had
         (``False``); by default, as the parameters' ``.grad`` stand now."""
-        binding, state = self._state()
-        x, y = flatten(inputs, "inputs"), flatten(self.check_targets(targets), "targets")
-        key = (state.key, x.key, y.key, self._mode())
-        traced = self._traced.get(key)
-        if traced is None:
-            self._check_devices(state, x, y)
-            traced = trace_train(self.model, self.loss_fn, binding, state, x, y)
-            self._traced[key] = traced
+        traced, key, state = self._trace_for(inputs, targets)
         present: tuple[bool, ...] = ()
         if self._sync is None:
             present = tuple(
@@ -125,6 +119,30 @@ class PooledTrainStep(Executor):
         recorded = self._recorded((*key, present, self._recompute_key()), returned_bytes(traced.gm))
         traced = self._with_grads(traced, state, present)
         return recorded or self._memory_plan(traced, outputs_in_pool=False)
+
+    def modelled_time(
+        self, inputs: object, targets: object = None, *, per_call: bool = True
+    ) -> float:
+        """The modelled time of a call with ``inputs`` and ``targets`` as traced (before any
+        recomputation), in flops: its ops' work and, with ``per_call``, the fixed cost of
+        calling each (``cost.call_cost``); traced but not run."""
+        graph = self._trace_for(inputs, targets)[0].gm.graph
+        return call_cost(graph) if per_call else graph_cost(graph)
+
+    def _trace_for(
+        self, inputs: object, targets: object
+    ) -> tuple[Traced, tuple[object, ...], State]:
+        """The traced graph of a call with ``inputs`` and ``targets`` (traced once per
+        signature), its key and the model's state."""
+        binding, state = self._state()
+        x, y = flatten(inputs, "inputs"), flatten(self.check_targets(targets), "targets")
+        key = (state.key, x.key, y.key, self._mode())
+        traced = self._traced.get(key)
+        if traced is None:
+            self._check_devices(state, x, y)
+            traced = trace_train(self.model, self.loss_fn, binding, state, x, y)
+            self._traced[key] = traced
+        return traced, key, state
 
     def _with_grads(self, traced: Traced, state: State, present: tuple[bool, ...]) -> Traced:
         """``traced`` as it runs with the gradients ``present``: each fresh one made in its

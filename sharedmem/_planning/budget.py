@@ -23,6 +23,7 @@ __all__ = [
     "Need",
     "budget_bytes",
     "check_budget",
+    "check_exact",
     "check_max_slowdown",
     "machine_available_bytes",
     "parse_bytes",
@@ -123,6 +124,19 @@ def check_max_slowdown(max_slowdown: object, chunks: object) -> float | None:
             "choose: give a budget instead of chunks"
         )
     return float(max_slowdown)
+
+
+def check_exact(exact: object, budget: object) -> bool:
+    """``exact`` as given; refuse anything but a bool, and ``False`` without a budget (only a
+    budget has chunks to choose)."""
+    if not isinstance(exact, bool):
+        raise TypeError(f"sharedmem: exact must be True or False, got {type(exact).__name__}")
+    if not exact and budget is None:
+        raise ValueError(
+            "sharedmem: exact=False lets a budget be met by chunks where they are modelled "
+            "faster than recomputation; without budget= there is nothing to choose: give one"
+        )
+    return exact
 
 
 def budget_bytes(budget: int | str, device: torch.device, pool: BufferPool | None) -> int:

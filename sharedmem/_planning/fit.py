@@ -92,6 +92,9 @@ class Fitted:
         self._recomputed: dict[tuple[object, ...], float | bool] = {}
         self.recomputing = False
         self.recompute_heavy: float | bool = False
+        # Where both fit and chunks may be chosen (``exact=False``): the modelled time each
+        # adds, by signature label: (chunks, their added fraction, recomputation's).
+        self.compared: dict[str, tuple[int, float, float]] = {}
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -116,6 +119,12 @@ class Fitted:
                 f"  {len(self._recomputed)} signature(s) fit in one chunk by computing "
                 "convolutions and matrix products again in backward (the same step, bit for "
                 f"bit, at the cost of that time: {levels})"
+            )
+        for label, (chunks, by_chunks, by_recomputing) in self.compared.items():
+            chosen = f"{chunks} chunks" if by_chunks < by_recomputing else "recomputation"
+            rows.append(
+                f"  {label}: {chosen} chosen (exact=False): {chunks} chunks modelled "
+                f"+{by_chunks:.1%} time, recomputation +{by_recomputing:.1%}"
             )
         return "\n".join(rows)
 
@@ -183,9 +192,10 @@ class Fitted:
 
             if fits(1):
                 return 1, False
+            level: float | bool = False
             if attempt == 0:
                 level = self._recomputes(inputs, targets, budget, limit, accumulating)
-                if level is not False:
+                if level is not False and self.exact:
                     return 1, level
             low, high = 1, total  # low does not fit; high is the most there can be
             while high - low > 1:
@@ -194,6 +204,10 @@ class Fitted:
                     high = middle
                 else:
                     low = middle
+            if level is not False and not (
+                fits(high) and self._chunks_faster(inputs, targets, high, level)
+            ):
+                return 1, level
             if fits(high):
                 return high, False
             if attempt == 0 and not self._give_back():
@@ -203,6 +217,17 @@ class Fitted:
 
     def _give_back(self) -> bool:
         """Free this step's own pool buffers; whether there were any."""
+        return False
+
+    # Whether a budget must be met by the same computation where recomputation reaches it
+    # (``exact=False``: chunks compete on modelled time; see ``_chunks_faster``).
+    exact = True
+
+    def _chunks_faster(
+        self, inputs: object, targets: object, chunks: int, level: float | bool
+    ) -> bool:
+        """Whether running ``chunks`` chunks adds less modelled time than recomputing at
+        ``level`` in one (both fit)."""
         return False
 
     def _need(
@@ -327,10 +352,12 @@ class FittedTrainStep(Fitted):
         reduction: object,
         splitter: Splitter,
         max_slowdown: float | None = None,
+        exact: bool = True,
     ) -> None:
         super().__init__(step.model, budget, chunks, splitter, step.device, step.pool)
         self.step = step
         self.max_slowdown = max_slowdown
+        self.exact = exact
         self.reduction, self._assumed = reduction_of(step.loss_fn, reduction)
         self._weighted: PooledTrainStep | None = None
 
@@ -405,7 +432,45 @@ class FittedTrainStep(Fitted):
                 high = middle
             else:
                 low = middle
-        return levels[high]
+        found: float | bool = levels[high]
+        if found is True:
+            return found
+        # Between two levels the peak can fall steeply (ViT-tiny's half budget: 190 MB at
+        # +10%, 91 MB at +20%): the least time that fits is looked for in between too.
+        below = 0.0 if low < 0 else float(levels[low])
+        for _ in range(REFINE_STEPS):
+            halfway = (below + float(found)) / 2
+            if fits(halfway):
+                found = halfway
+            else:
+                below = halfway
+        return found
+
+    def _chunks_faster(
+        self, inputs: object, targets: object, chunks: int, level: float | bool
+    ) -> bool:
+        # The cost model of recomputation, with what chunks add: each chunk calls every op
+        # again (``OP_CALL_FLOPS`` each) and reads the weights again, so ``chunks`` chunks of
+        # a batch cost more than the batch, and small ones more so.
+        step = self.step
+        whole = step.modelled_time(inputs, targets)
+        chunked = 0.0
+        for part in self.splitter.split(inputs, targets, chunks):
+            if not self._weights():
+                chunked += step.modelled_time(part.inputs, part.targets)
+                continue
+            weight = torch.zeros((), dtype=torch.float64, device=step.device)
+            chunked += self._weighted_step().modelled_time(part.inputs, (part.targets, weight))
+        step.recompute_heavy = level
+        try:
+            fraction = step.memory_plan(inputs, targets, with_grads=False).recompute_cost
+        finally:
+            step.recompute_heavy = False
+        by_chunks = chunked / whole - 1.0
+        fraction *= step.modelled_time(inputs, targets, per_call=False) / whole  # of the same
+        label = " ".join(str(tuple(t.shape)) for t in _tensors((inputs, targets)))
+        self.compared[label] = (chunks, by_chunks, fraction)
+        return by_chunks < fraction
 
     def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
         def plan(with_grads: bool) -> MemoryPlan:
@@ -572,6 +637,8 @@ class FitStep(Fitted):
 # time recomputation may add, as a fraction of the step's own (``recompute``; ``True``: as
 # much as lowers the peak).
 RECOMPUTE_LEVELS: tuple[float | bool, ...] = (0.02, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, True)
+# Halvings of the gap between the last level that does not fit and the first that does.
+REFINE_STEPS = 3
 
 
 def recompute_levels(max_slowdown: float | None) -> list[float | bool]:

@@ -15,7 +15,7 @@ from torch import nn
 
 from .._executor import PooledForward, PooledTrainStep
 from .._pool import BufferPool
-from .budget import check_max_slowdown
+from .budget import check_exact, check_max_slowdown
 from .chunking import Splitter, UserSplit
 from .fit import FitStep, FittedForward, FittedTrainStep
 
@@ -35,6 +35,7 @@ def pooled_train_step(
     batch_dim: int = 0,
     split: UserSplit | None = None,
     max_slowdown: float | None = None,
+    exact: bool = True,
 ) -> PooledTrainStep | FittedTrainStep:
     """Make a train step that runs ``model`` as an ATen graph with activations in ``pool``.
 
@@ -108,7 +109,11 @@ def pooled_train_step(
     the values that cost the least time per byte they free go first, and the least
     recomputation that fits is taken; ``max_slowdown`` caps the time it may add (modelled).
     ``step.recomputing`` says whether the latest choice recomputed, ``step.report()`` and
-    ``plan_summary()`` how much and at what modelled cost. The gradients of chunks
+    ``plan_summary()`` how much and at what modelled cost. ``exact=False`` accepts chunks'
+    different computation where they are faster: where both recomputation and chunks fit,
+    the same cost model picks the one that adds less time (chunks add a fixed cost per op
+    call and per pass over the weights, recomputation its ops), and ``step.report()`` gives
+    both figures. The gradients of chunks
     are accumulated into ``p.grad`` exactly: a
     mean-reduced loss is weighted by each chunk's share of the batch, a sum-reduced one is
     summed, and the loss returned is the whole batch's. A budget covers what the step holds
@@ -149,6 +154,9 @@ def pooled_train_step(
             sequences); a weight is the chunk's share of the batch's loss.
         max_slowdown: the most time recomputation may add, modelled, as a factor of the
             step's own (at least 1.0; 1.0: recompute nothing costly, chunks meet a budget).
+        exact: ``True``: a budget is met by the same computation (recomputation) wherever
+            it can be, chunks only below what it reaches; ``False``: by whichever of the two
+            the cost model says is faster (needs ``budget``).
 
     Example::
 
@@ -167,6 +175,7 @@ def pooled_train_step(
         (torch.Size([]), torch.Size([8, 4]))
     """
     slowdown = check_max_slowdown(max_slowdown, chunks)
+    check_exact(exact, budget)
     step = PooledTrainStep(model, loss_fn, pool, plan, prefix)
     if budget is None and chunks is None:
         if slowdown is not None and slowdown > 1.0:
@@ -180,6 +189,7 @@ def pooled_train_step(
         reduction=reduction,
         splitter=splitter,
         max_slowdown=slowdown,
+        exact=exact,
     )
 
 
