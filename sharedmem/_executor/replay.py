@@ -107,23 +107,27 @@ def replay_op(op: OpOverload) -> OpOverload:
 
 
 def _get_state(like: torch.Tensor) -> torch.Tensor:
-    if like.device.type == "cpu":
+    return _state_of(like.device)
+
+
+def _state_of(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
         return torch.get_rng_state()
-    return torch.cuda.get_rng_state(like.device)
+    return torch.cuda.get_rng_state(device)
+
+
+def _set_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.cuda.set_rng_state(state, device)
 
 
 @contextmanager
 def _drawing_from(state: torch.Tensor, device: torch.device) -> Iterator[None]:
-    cpu = device.type == "cpu"
-    now = torch.get_rng_state() if cpu else torch.cuda.get_rng_state(device)
-    if cpu:
-        torch.set_rng_state(state)
-    else:
-        torch.cuda.set_rng_state(state, device)
+    now = _state_of(device)
+    _set_state(state, device)
     try:
         yield
     finally:  # every later draw is eager's
-        if cpu:
-            torch.set_rng_state(now)
-        else:
-            torch.cuda.set_rng_state(now, device)
+        _set_state(now, device)

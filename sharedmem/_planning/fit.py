@@ -456,11 +456,8 @@ class FittedTrainStep(Fitted):
         whole = step.modelled_time(inputs, targets)
         chunked = 0.0
         for part in self.splitter.split(inputs, targets, chunks):
-            if not self._weights():
-                chunked += step.modelled_time(part.inputs, part.targets)
-                continue
-            weight = torch.zeros((), dtype=torch.float64, device=step.device)
-            chunked += self._weighted_step().modelled_time(part.inputs, (part.targets, weight))
+            runner, chunk_targets = self._chunk_step(part, chunks)
+            chunked += runner.modelled_time(part.inputs, chunk_targets)
         step.recompute_heavy = level
         try:
             fraction = step.memory_plan(inputs, targets, with_grads=False).recompute_cost
@@ -472,13 +469,19 @@ class FittedTrainStep(Fitted):
         self.compared[label] = (chunks, by_chunks, fraction)
         return by_chunks < fraction
 
+    def _chunk_step(self, part: Chunk, chunks: int) -> tuple[PooledTrainStep, object]:
+        """The step that plans one of ``chunks`` chunks, and the targets it takes: where
+        chunks are weighted, the weighted step with a stand-in weight (its value changes
+        neither the graph nor its plan)."""
+        if chunks == 1 or not self._weights():
+            return self.step, part.targets
+        weight = torch.zeros((), dtype=torch.float64, device=self.step.device)
+        return self._weighted_step(), (part.targets, weight)
+
     def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
         def plan(with_grads: bool) -> MemoryPlan:
-            if chunks == 1 or not self._weights():
-                return self.step.memory_plan(part.inputs, part.targets, with_grads=with_grads)
-            weight = torch.zeros((), dtype=torch.float64, device=self.step.device)
-            step = self._weighted_step()
-            return step.memory_plan(part.inputs, (part.targets, weight), with_grads=with_grads)
+            step, targets = self._chunk_step(part, chunks)
+            return step.memory_plan(part.inputs, targets, with_grads=with_grads)
 
         # The plan's timeline at its busiest: unpooled results, their scratch, and the new
         # gradients. A chunk that adds into gradients already there (every chunk after the
