@@ -188,6 +188,8 @@ class _Case:
     # the figure in the table, not measured again later in the process, when other steps
     # have grown kernels' process-wide caches and a step's own peak reads lower).
     measured: Callable[[int], None] = lambda peak: None
+    # What the step says of its choice (a budget's report: chunks, and why), or "".
+    said: Callable[[], str] = lambda: ""
 
 
 def _cases(built: Built, *, compile_too: bool) -> list[_Case]:
@@ -240,7 +242,8 @@ def _cases(built: Built, *, compile_too: bool) -> list[_Case]:
         def reserved() -> int:
             return int(pool.stats()["reserved_bytes"])
 
-        return _Case(label, "planner", call, reserved, nullcontext)
+        said = step.report if "budget" in kw else (lambda: "")
+        return _Case(label, "planner", call, reserved, nullcontext, said=said)
 
     default = planner("planner, default")
     default.measured = own_peak.append
@@ -280,6 +283,9 @@ class _Lazy:
     def measured(self, peak: int) -> None:
         pass
 
+    def said(self) -> str:
+        return self._get().said()
+
     def context(self) -> AbstractContextManager[object]:
         return nullcontext()
 
@@ -304,6 +310,8 @@ def _measure(name: str, cases: list[_Case], rounds: int, progress: Progress | No
             case.call()
             peaks[case.label] = allocator_peak(case.call) + case.reserved()
             case.measured(peaks[case.label])
+        if progress is not None and case.said():
+            progress.say(f"{name}: {case.label}: {case.said()}")
     samples: dict[str, list[float]] = {case.label: [] for case in cases}
     for index in range(rounds):
         order = cases if index % 2 == 0 else cases[::-1]

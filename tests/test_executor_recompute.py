@@ -239,9 +239,9 @@ def test_heavy_recomputation_takes_attention_and_split_values_again_bit_for_bit(
 class DropoutBlock(nn.Module):
     """A transformer block as trained: dropout on the attention weights and on both branches."""
 
-    def __init__(self, width: int = 32, heads: int = 4, p: float = 0.1) -> None:
+    def __init__(self, width: int = 32, heads: int = 4, p: float = 0.1, causal: bool = False):
         super().__init__()
-        self.heads, self.p = heads, p
+        self.heads, self.p, self.causal = heads, p, causal
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.mlp = nn.Sequential(
@@ -253,7 +253,10 @@ class DropoutBlock(nn.Module):
         batch, length, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
         q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        weights = F.dropout((q @ k.transpose(-1, -2) / 8).softmax(-1), self.p, self.training)
+        scores = q @ k.transpose(-1, -2) / 8
+        if self.causal:  # made in the forward, as GPT-2's is: nothing alive makes it again
+            scores = scores + torch.full((length, length), float("-inf")).triu(1)
+        weights = F.dropout(scores.softmax(-1), self.p, self.training)
         y = (weights @ v).transpose(1, 2).reshape(batch, length, width)
         x = x + F.dropout(self.proj(y), self.p, self.training)
         return x + F.dropout(self.mlp(self.norm2(x)), self.p, self.training)
@@ -287,6 +290,38 @@ def test_dropout_is_recomputed_from_the_saved_generator_state_bit_for_bit() -> N
         model.zero_grad(set_to_none=True)
         assert torch.equal(step(x, y), expected.detach()), seed
         assert torch.equal(torch.get_rng_state(), after_eager), seed
+        for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (seed, name)
+
+
+def test_masked_attention_weights_are_recomputed_with_their_mask_kept_bit_for_bit() -> None:
+    # A softmax's result (every head's weights, four bytes an element) is read by its own
+    # backward: giving time for memory, it is computed again there from its scores, which
+    # are computed again from q and k; the causal mask added to them, made in the forward
+    # from ops no chain computes again, is kept (a fraction of the weights) instead.
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        blocks = [DropoutBlock(causal=True) for _ in range(3)]
+        return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(32 * 32, 10))
+
+    x, y = torch.randn(8, 32, 32), torch.randint(0, 10, (8,))
+    eager, model = make(), make()
+    step = sm.pooled_train_step(model, F.cross_entropy, pool=sm.BufferPool("cpu"))
+    step.recompute_heavy = True
+    step.memory_plan(x, y)
+    (traced,) = step._traced.values()
+    softmax = torch.ops.aten._softmax.default
+    before = sum(n.target is softmax for n in traced.gm.graph.nodes)
+    graph = recompute(traced.gm, heavy=True)[0].graph
+    assert sum(n.target is softmax for n in graph.nodes) > before == 3
+    for seed in range(2):
+        torch.manual_seed(seed)
+        eager.zero_grad(set_to_none=True)
+        expected = F.cross_entropy(eager(x), y)
+        expected.backward()
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        assert torch.equal(step(x, y), expected.detach()), seed
         for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad), (seed, name)
 

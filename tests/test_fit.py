@@ -261,7 +261,9 @@ def test_the_chosen_count_is_the_fewest_the_budget_allows(kind: str) -> None:
     for share in (0.75, 0.5):
         budget = int(unchunked * share)
         pool = sm.BufferPool("cpu")
-        step = sm.pooled_train_step(MODELS[kind](0), F.mse_loss, pool=pool, budget=budget)
+        step = sm.pooled_train_step(  # chunks only: recomputation meets some of these
+            MODELS[kind](0), F.mse_loss, pool=pool, budget=budget, max_slowdown=1.0
+        )
         chosen = step.chunks_for(x, y)
         assert pool.stats()["reserved_bytes"] == 0, "choosing allocates nothing"
         assert chosen > 1
@@ -279,13 +281,15 @@ def test_the_chosen_count_is_the_fewest_the_budget_allows(kind: str) -> None:
 def test_the_same_budget_and_shapes_give_the_same_chunks() -> None:
     gen = torch.Generator().manual_seed(0)
     x, y = data("cnn", 40, gen)
-    counts = set()
+    # Before a first call (planned) and after it (recorded, gradients there to add into):
+    # each the same on every step made alike.
+    before, after = set(), set()
     for _ in range(2):
         step = sm.pooled_train_step(cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=200_000)
-        counts.add(step.chunks_for(x, y))
+        before.add(step.chunks_for(x, y))
         step(x, y)
-        counts.add(step.chunks_for(x, y))
-    assert len(counts) == 1
+        after.add(step.chunks_for(x, y))
+    assert len(before) == len(after) == 1
 
 
 def test_a_budget_is_bytes_or_a_size_as_the_command_line_writes_it() -> None:
@@ -465,6 +469,25 @@ def _cnn_batch() -> tuple[torch.Tensor, torch.Tensor, int]:
     planned = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"))
     plan = planned.memory_plan(x, y)
     return x, y, plan.pooled_bytes + plan.beside_peak
+
+
+def test_where_recomputation_cannot_meet_a_budget_the_report_says_what_bounds_it() -> None:
+    x, y, unchunked = _cnn_batch()
+    budget = int(unchunked * 0.3)
+    low = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=budget)
+    assert low.chunks_for(x, y) > 1 and not low.recomputing
+    ((least, floor, op),) = low.unreached.values()
+    assert budget < least and 0 < floor <= least
+    report = low.report()
+    assert f"{least:,}" in report and f"{floor:,}" in report and op in report
+    # The floor bounds what runs: the step recomputing as much as lowers its peak, measured.
+    pool = sm.BufferPool("cpu")
+    most = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=pool)
+    most.recompute_heavy = True
+    for _ in range(2):
+        most.model.zero_grad(set_to_none=True)
+        held = allocator_peak(functools.partial(most, x, y)) + pool.stats()["reserved_bytes"]
+    assert held >= floor, (held, floor)
 
 
 def test_a_budget_takes_the_least_recomputation_that_fits() -> None:

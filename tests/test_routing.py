@@ -19,6 +19,7 @@ from torch import nn
 
 import sharedmem as sm
 from sharedmem._routing import Recording, choose_plan, native, plan_offsets
+from sharedmem.testing import allocator_peak
 
 pytestmark = pytest.mark.skipif(native() is None, reason="the routing allocator did not build")
 
@@ -126,8 +127,8 @@ def test_the_arena_serves_every_dying_allocation_packed_near_max_live() -> None:
     assert pool.stats()["recorded_calls"] == 2
     assert route.plan is not None and route.recording is not None
     dying = route.recording.total_bytes - route.recording.outliving_bytes
-    # everything the plan chose is served; it chose all but what would lift the peak by more
-    # than one granule (a weight oneDNN caches across calls outlives the block here)
+    # everything the plan chose is served; it chose all but what would lift the peak above
+    # the allocator's alone (a weight oneDNN caches across calls outlives the block here)
     assert route.last["served_bytes"] == route.plan.routed_bytes
     assert route.plan.routed_bytes >= 0.9 * dying
     assert route.last["fell_back_bytes"] == 0
@@ -169,7 +170,27 @@ def test_a_traced_step_serves_its_intermediates_from_the_arena() -> None:
     summary = step.plan_summary()
     assert "routed:" in str(summary)
     assert pool.stats()["arena_served_bytes"] > 0
-    assert summary.unpooled_bytes == 0
+    # And never above eager, to the byte: what the plan leaves to PyTorch, it leaves because
+    # the arena in whole pages would have held more than eager does at its peak.
+    plain.zero_grad(set_to_none=False)
+    model.zero_grad(set_to_none=False)
+    eager = allocator_peak(lambda: _step(plain, x, y))
+    pooled = allocator_peak(lambda: step(x, y)) + pool.stats()["reserved_bytes"]
+    assert 0 < pooled <= eager
+
+
+def test_a_step_whose_peak_is_its_gradients_says_that_is_its_floor() -> None:
+    # One sample through wide layers: the gradients are nearly all of the step's peak, and
+    # no plan can lower them; a batch of images through a small CNN is not such a step.
+    wide = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    x, y = torch.randn(1, 512), torch.tensor([3])
+    cases = [(wide, x, y, True), (_cnn(), *_batch(0), False)]
+    for model, inputs, targets, floored in cases:
+        step = sm.pooled_train_step(model, nn.functional.cross_entropy, pool=sm.BufferPool("cpu"))
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            step(inputs, targets)
+        assert ("its floor" in str(step.plan_summary())) is floored, str(step.plan_summary())
 
 
 # ---- kept tensors are never overwritten -----------------------------------------------------
@@ -283,31 +304,47 @@ def test_no_two_live_allocations_share_a_byte(rec: Recording, capacity: int) -> 
 
 @given(_recordings(), st.integers(0, 20_000))
 def test_the_chosen_plan_never_peaks_above_the_allocator_alone(rec: Recording, have: int) -> None:
-    plan = choose_plan(rec, capacity=have, granularity=64)
-    arena = max(have, -(-plan.need // 64) * 64)
+    plan = choose_plan(rec, capacity=have, granularity=4096)
+    arena = max(have, -(-plan.need // 4096) * 4096)
     alone = have + rec.live_peak()
-    assert arena + plan.beside_peak <= alone + 64 + alone // 1000
+    # within one granule and 0.1% (the arena's rounding and its 64-byte alignment), and to
+    # the byte where a plan at the allocator's peak serves at least half as much
+    assert arena + plan.beside_peak <= alone + 4096 + alone // 1000
+    strict = choose_plan(rec, capacity=have, granularity=4096, tolerance=0)
+    assert max(have, -(-strict.need // 4096) * 4096) + strict.beside_peak <= alone
+    if arena + plan.beside_peak > alone:  # the tolerance bought more than twice the bytes
+        assert plan.routed_bytes > 2 * strict.routed_bytes
     full = plan_offsets(rec)  # and never above the plain packing's own peak
-    assert arena + plan.beside_peak <= max(have, -(-full.need // 64) * 64) + full.beside_peak
+    assert arena + plan.beside_peak <= max(have, -(-full.need // 4096) * 4096) + full.beside_peak
 
 
 @given(_recordings())
-def test_the_peak_and_what_outlives_the_step_at_it_match_a_replay(rec: Recording) -> None:
-    # Replayed tick by tick: the first tick with the most bytes live, and of those, the
-    # bytes of allocations never freed (the step's floor the plan summary names).
+def test_the_peak_matches_a_replay(rec: Recording) -> None:
+    # Replayed tick by tick: the most bytes live at once.
     events = sorted(
         [(a, i, +1) for i, a in enumerate(rec.alloc_at)]
         + [(f, i, -1) for i, f in enumerate(rec.free_at) if f >= 0]
     )
     live: set[int] = set()
-    best, kept = -1, 0
+    best = 0
     for _, i, sign in events:
         (live.add if sign > 0 else live.discard)(i)
-        total = sum(rec.sizes[j] for j in live)
-        if total > best:
-            best, kept = total, sum(rec.sizes[j] for j in live if rec.free_at[j] < 0)
+        best = max(best, sum(rec.sizes[j] for j in live))
     assert rec.live_peak() == best
-    assert rec.kept_at_peak() == kept or best == 0
+
+
+@given(_recordings())
+def test_the_floor_is_what_outlives_the_step_so_far_beside_each_allocation(
+    rec: Recording,
+) -> None:
+    # Replayed: at each allocation, what outlives the step made so far, plus it.
+    made, floor = set(), 0
+    for i in sorted(range(len(rec.sizes)), key=lambda i: rec.alloc_at[i]):
+        made.add(i)
+        kept = sum(rec.sizes[j] for j in made if rec.free_at[j] < 0)
+        floor = max(floor, kept + (rec.sizes[i] if rec.free_at[i] >= 0 else 0))
+    assert rec.floor() == floor
+    assert floor <= rec.live_peak()
 
 
 # ---- where the router cannot be built ---------------------------------------------------

@@ -50,7 +50,8 @@ class MemoryPlan(NamedTuple):
     and the bytes of the results a call hands back in fresh memory (loss and gradients, or
     the forward's outputs), and the most bytes of fresh results (unpooled intermediates and
     returned results) live at once during a call: the step's peak beside the pool; and the
-    time the plan's recomputation adds, modelled, as a fraction of the step's own."""
+    time the plan's recomputation adds, modelled, as a fraction of the step's own; and the
+    most bytes one op needs at once, below which no plan or recomputation goes (its op)."""
 
     pooled_bytes: int
     unpooled_bytes: int
@@ -58,6 +59,8 @@ class MemoryPlan(NamedTuple):
     returned_bytes: int
     beside_peak: int = 0
     recompute_cost: float = 0.0
+    floor: int = 0  # ``PlanSummary.floor``
+    floor_op: str = ""
 
 
 class SlotPlan(NamedTuple):
@@ -176,16 +179,17 @@ class Executor:
         """The memory of signature ``key`` as its recorded call measured it (exact), where
         the router recorded one."""
         compiled = self._cache.get(key)
-        route = None if compiled is None else compiled.route
-        if route is None or route.plan is None:
+        if compiled is None or compiled.route is None or compiled.route.plan is None:
             return None
-        plan = route.plan
+        plan = compiled.route.plan
         return MemoryPlan(
             pooled_bytes=round_up(plan.need, 16),
             unpooled_bytes=plan.beside_bytes,
             slot_bytes={f"{self.prefix}0": round_up(plan.need, 16)} if plan.need else {},
             returned_bytes=returned,
             beside_peak=plan.beside_peak,
+            floor=compiled.summary.floor,
+            floor_op=compiled.summary.floor_op,
         )
 
     def source(self) -> str:
@@ -303,6 +307,8 @@ class Executor:
             returned_bytes=returned_bytes(traced.gm),
             beside_peak=plan.beside_peak,
             recompute_cost=float(traced.gm.meta.get("recompute_cost", 0.0)),
+            floor=analysis.floor,
+            floor_op=analysis.floor_op,
         )
 
     def _recompute_key(self) -> tuple[str, float | bool]:
@@ -457,6 +463,8 @@ class Executor:
             unpooled_ops=plan.unpooled_ops,
             recomputed=recomputed,
             recompute_cost=float(gm.meta.get("recompute_cost", 0.0)),
+            floor=analysis.floor,
+            floor_op=analysis.floor_op,
         )
 
     def _mark_planned(self) -> None:

@@ -98,6 +98,10 @@ class Analysis:
             modelled (see ``_measured``, ``_scratch``) and live at its node only.
         beside_returned: per value of ``beside``, whether a graph output reads it (it
             outlives the call).
+        floor: the most bytes one op needs live at once: its operands, results and measured
+            scratch beside what outlives the call (gradients) made before it. No placement and no
+            recomputation that runs these ops in this order goes below it.
+        floor_op: that op, and where in the model it comes from.
     """
 
     steps: list[NodeRun]
@@ -112,6 +116,8 @@ class Analysis:
     beside: tuple[Lifetime, ...] = ()
     scratch: tuple[Lifetime, ...] = ()
     beside_returned: tuple[bool, ...] = ()
+    floor: int = 0
+    floor_op: str = ""
 
 
 def op_name(target: object) -> str:
@@ -140,6 +146,7 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     plain_owner: dict[StorageWeakRef, int] = {}  # their storages -> index into ``plain``
     plain_starts: list[int] = []
     scratch: list[Lifetime] = []
+    measured_scratch: dict[int, int] = {}
     for i, node in enumerate(nodes):
         results = [r for r in _results(node) if isinstance(r, torch.Tensor)]
         for r in results:
@@ -173,6 +180,8 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
                 work = measured.scratch if measured else _scratch(node, results)
                 if work:
                     scratch.append(Lifetime(work, i, i))
+                if measured and measured.scratch:  # a floor counts no modelled bytes
+                    measured_scratch[i] = measured.scratch
                 steps.append(NodeRun(node, i, rule))
             elif rule.kind is Kind.ALIAS:
                 if not set(keys) <= seen:
@@ -233,6 +242,9 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     inplace = tuple((result, operand) for result, operand, _ in found)
     over = tuple(node for _, _, node in found)
     unpooled_bytes = sum(n for n, _ in unpooled)
+    sizes = {key: starts[i][0] for key, i in owner.items()}
+    sizes.update((key, plain[i][1]) for key, i in plain_owner.items())
+    floor, floor_at = _floor(nodes, storages, sizes, kept, measured_scratch)
     return Analysis(
         steps,
         lifetimes,
@@ -246,7 +258,32 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
         tuple(beside),
         tuple(scratch),
         tuple(beside_returned),
+        floor,
+        "" if floor_at is None else f"{op_name(floor_at.target)}{where(floor_at)}",
     )
+
+
+def _floor(
+    nodes: list[Node],
+    storages: dict[Node, set[StorageWeakRef]],
+    sizes: dict[StorageWeakRef, int],
+    kept: set[StorageWeakRef],
+    scratch: dict[int, int],
+) -> tuple[int, Node | None]:
+    """The most bytes one op needs live, and the op (``Analysis.floor``). Storages that
+    were there before the call (parameters, inputs) have no size here: they are not the
+    step's own bytes."""
+    made: set[StorageWeakRef] = set()  # storages that outlive the call, made so far
+    best, at = 0, None
+    for i, node in enumerate(nodes):
+        if node.op != "call_function":
+            continue
+        used = set(storages[node]).union(*(storages[u] for u in node.all_input_nodes))
+        need = sum(sizes.get(k, 0) for k in used | made) + scratch.get(i, 0)
+        if need > best:
+            best, at = need, node
+        made |= storages[node] & kept
+    return best, at
 
 
 def _measured(node: Node, results: list[torch.Tensor]) -> KernelMemory | None:

@@ -181,6 +181,10 @@ class PlanSummary:
             hidden in memory traffic the step saves).
         routed: where the routing allocator serves the call from the arena, its recorded
             plan in words ("" without the router, or before the first call ran).
+        floor: the most bytes one op of the graph needs live at once (its operands, results
+            and measured scratch, beside the gradients and other returned values made before
+            it): no placement and no recomputation of these ops goes below it.
+        floor_op: that op, and where in the model it comes from.
     """
 
     plan: str
@@ -196,6 +200,8 @@ class PlanSummary:
     recomputed: int = 0
     routed: str = ""
     recompute_cost: float = 0.0
+    floor: int = 0
+    floor_op: str = ""
 
     @property
     def saved_bytes(self) -> int:
@@ -223,4 +229,5 @@ class PlanSummary:
                 else ""
             )
             + (f"; routed: {self.routed}" if self.routed else "")
+            + (f"; floor: {self.floor:,} bytes at {self.floor_op}" if self.floor else "")
         )

@@ -1,7 +1,7 @@
 """Cheap values computed again where backward reads them, instead of kept from the forward.
 
-A train graph keeps many activations from the forward to the backward only because a late
-op reads them: the output of a ReLU after a batch norm is the next convolution's input (its
+A train graph keeps many activations from the forward to the backward only because a late op
+reads them: the output of a ReLU after a batch norm is the next convolution's input (its
 weight gradient reads it) and the ReLU's own backward reads it. Such a value can be computed
 again right before its first late reader, from values that are alive there anyway (the
 convolution's output, which the batch norm's backward reads; the parameters), so it does not
@@ -10,15 +10,18 @@ it changes no bit: the recomputation is the very op eager ran, on the very same 
 the kernels it takes are deterministic (pointwise ops without randomness, layer norm, and
 batch norm in training mode, computed again without running statistics so they are updated
 once). Giving time for memory (``heavy``), convolutions, matrix products and attention are
-computed again too, and dropout's noise is drawn again from the generator state saved right
-before the forward drew it (``replay``): the same masks, and the generator put back after.
+computed again too (and the softmax of a math attention, from its recomputed scores), and
+dropout's noise is drawn again from the generator state saved right before the forward drew
+it (``replay``): the same masks, and the generator put back after.
 
-A value is recomputed only where that gives the same bits and cannot cost memory: no input
-of the recomputation is written in place in between; every input is alive at that point
-anyway (or is itself recomputed there, up to a short chain, each link dying right after its
-use); the value's readers before the gap stay as they are; the value is reached only through
-itself and views of it (no in-place writes); and it is idle across the step's busiest node
-(elsewhere it would cost time for nothing).
+A value is recomputed only where that gives the same bits and cannot cost memory (giving
+time, no more than a quarter of what it frees): no input of the recomputation is written in
+place in between; every input is alive at that point anyway (or is itself recomputed there,
+up to a short chain, each link dying right after its use; or, giving time, is kept there,
+where it is a quarter or less of the value: GPT-2's causal mask beside its attention
+scores); the value's readers before the gap stay as they are; the value is reached only
+through itself and views of it (no in-place writes); and it is idle across the step's
+busiest node (elsewhere it would cost time for nothing).
 """
 
 from __future__ import annotations
@@ -63,6 +66,12 @@ _MULTI = frozenset({_BATCH_NORM, _LAYER_NORM, _ATTENTION})
 _HEAVY = frozenset(
     {aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default, _ATTENTION}
 )
+# Recomputed only when time is given too: a softmax reduces each row before it writes it, so
+# it costs more than a pointwise op of its size; deterministic on the same input. The math
+# attention's (``_safe_softmax``: attention with dropout, or a mask SDPA's fused kernel does
+# not take) is kept from the forward for backward otherwise, four bytes an element of every
+# head's scores.
+_SOFTMAX = frozenset({aten._softmax.default, aten._safe_softmax.default})
 HEAVY_MIN_GAP = 4
 # A random fill is replayed only where it frees this many times the generator state it keeps.
 REPLAY_MIN_RATIO = 4
@@ -255,6 +264,8 @@ def _recomputable(node: Node, heavy: bool = False) -> bool:
         return isinstance(node.meta.get("val"), torch.Tensor) or target in _MULTI
     if heavy and target in EMPTY_FACTORIES:
         return _random_filled(node)
+    if heavy and target in _SOFTMAX:
+        return isinstance(node.meta.get("val"), torch.Tensor)
     if target is _BATCH_NORM:
         return len(node.args) > 5 and node.args[5] is True
     if target is _LAYER_NORM:
@@ -306,8 +317,7 @@ def _only_views(index: _Index, value: Node, *, writers: bool = False) -> bool:
             if not (writers and replayed and member.args[0] in members):
                 return False
             continue
-        returns = target._schema.returns
-        if len(returns) != 1 or returns[0].alias_info is None:
+        if not _is_view(target):
             return False
         if not member.args or member.args[0] not in members:
             return False
@@ -507,6 +517,8 @@ def _chain(
             return None  # written in place since (a recurrent state): not the same inputs
         if index.alive_at(arg, at):
             continue
+        if heavy and _small_beside(arg, value):
+            continue  # kept to ``at`` instead (an attention's mask beside its scores)
         # Giving time for memory, an input that is a view (the reshape before a matrix
         # product) is taken again of its value computed again (``_emit``), and one written
         # in place (dropout's noise, filled and scaled) is its value with the writes replayed.
@@ -525,6 +537,16 @@ def _chain(
     return [*chain, value]
 
 
+def _small_beside(arg: Node, value: Node) -> bool:
+    """Whether keeping ``arg`` until ``value`` is computed again costs at most a
+    ``REPLAY_MIN_RATIO``-th of what recomputing ``value`` frees (GPT-2's causal mask, a
+    quarter of the scores it is added to, made from index ops no chain recomputes)."""
+    kept, freed = arg.meta.get("val"), value.meta.get("val")
+    if not isinstance(kept, torch.Tensor) or not isinstance(freed, torch.Tensor):
+        return False
+    return REPLAY_MIN_RATIO * kept.untyped_storage().nbytes() <= freed.untyped_storage().nbytes()
+
+
 def _written_root(node: Node) -> Node:
     """The value an in-place op's result is (``node`` itself if it writes nothing)."""
     while _writes(node) and node.args and isinstance(node.args[0], Node):
@@ -532,13 +554,21 @@ def _written_root(node: Node) -> Node:
     return node
 
 
+def _is_view(target: OpOverload) -> bool:
+    """Whether ``target`` returns a view of its first argument: an aliasing result, or
+    ``_unsafe_view`` (a reshape's result that declares no alias, but is one: matmul's)."""
+    returns = target._schema.returns
+    return target is aten._unsafe_view.default or (
+        len(returns) == 1 and returns[0].alias_info is not None
+    )
+
+
 def _view_root(node: Node) -> Node:
     """The value ``node`` views through a chain of views (``node`` itself if not a view)."""
     while (
         isinstance(node.target, OpOverload)
         and not _writes(node)
-        and len(node.target._schema.returns) == 1
-        and node.target._schema.returns[0].alias_info is not None
+        and _is_view(node.target)
         and node.args
         and isinstance(node.args[0], Node)
         and not _nodes_in([*node.args[1:], *node.kwargs.values()])

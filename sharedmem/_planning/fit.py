@@ -95,6 +95,9 @@ class Fitted:
         # Where both fit and chunks may be chosen (``exact=False``): the modelled time each
         # adds, by signature label: (chunks, their added fraction, recomputation's).
         self.compared: dict[str, tuple[int, float, float]] = {}
+        # Where recomputation alone could not meet the budget, by signature label: the
+        # least it plans, and the floor no recomputation goes below (bytes, the op).
+        self.unreached: dict[str, tuple[int, int, str]] = {}
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -119,6 +122,16 @@ class Fitted:
                 f"  {len(self._recomputed)} signature(s) fit in one chunk by computing "
                 "convolutions and matrix products again in backward (the same step, bit for "
                 f"bit, at the cost of that time: {levels})"
+            )
+        for label, (least, floor, op) in self.unreached.items():
+            rows.append(
+                f"  {label}: chunked: recomputation alone plans {least:,} bytes at the least"
+                + (
+                    f"; none goes below {floor:,} bytes, what {op} needs at once (its "
+                    "operands, results and scratch beside the gradients made before it)"
+                    if floor
+                    else ""
+                )
             )
         for label, (chunks, by_chunks, by_recomputing) in self.compared.items():
             chosen = f"{chunks} chunks" if by_chunks < by_recomputing else "recomputation"
@@ -164,9 +177,7 @@ class Fitted:
         return False
 
     def _remember(self, inputs: object, targets: object, chunks: int) -> None:
-        shapes = [tuple(t.shape) for t in _tensors((inputs, targets))]
-        label = " ".join(str(s) for s in shapes)
-        self._counts[label] = chunks
+        self._counts[_label(inputs, targets)] = chunks
 
     def _search(
         self,
@@ -319,6 +330,11 @@ def _tensors(tree: object) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def _label(inputs: object, targets: object) -> str:
+    """A signature in words, for reading: the batch's shapes."""
+    return " ".join(str(tuple(t.shape)) for t in _tensors((inputs, targets)))
+
+
 def _synced_last(
     ddp: DistributedDataParallel | None, k: int, chunks: int
 ) -> AbstractContextManager[object]:
@@ -415,15 +431,26 @@ class FittedTrainStep(Fitted):
         if not levels:
             return False
 
+        least: dict[float | bool, int] = {}
+
         def fits(level: float | bool) -> bool:
             self.step.recompute_heavy = level
             try:
                 need = self._need(inputs, targets, 1, accumulating)
             finally:
                 self.step.recompute_heavy = False
+            if need is not None:
+                least[level] = need.total
             return need is not None and need.fits(budget, limit)
 
         if not fits(levels[-1]):
+            if levels[-1] in least:  # say why: what it reached, and what bounds it
+                plan = self.step.memory_plan(inputs, targets, with_grads=accumulating)
+                self.unreached[_label(inputs, targets)] = (
+                    least[levels[-1]],
+                    plan.floor,
+                    plan.floor_op,
+                )
             return False
         low, high = -1, len(levels) - 1  # levels[high] fits; levels[low] does not (-1: none)
         while high - low > 1:

@@ -16,10 +16,10 @@ against the lower bound no packing can beat, the most bytes live at one tick (ma
 The arena is reserved for the whole step, while what outlives the step (gradients, mostly)
 is PyTorch's and grows during backward, often while the arena is full of activations: the
 step's peak is the arena plus the most bytes live beside it, where the allocator alone
-(eager) holds the most bytes live at once. ``choose_plan`` therefore compares arenas capped
-at fractions of the full packing (what does not fit is left to PyTorch) and keeps the one
-with the lowest peak, ties going to the fuller arena: a step never needs more than it would
-without the pool, and serves all it can from the arena at that peak.
+(eager) holds the most bytes live at once. ``choose_plan`` therefore compares the full
+packing with arenas grown one allocation at a time (what does not fit is left to PyTorch)
+and keeps the lowest peak: a step needs no more than it would without the pool, to the
+byte, unless that would leave most of the step to PyTorch for the arena's rounding.
 """
 
 from __future__ import annotations
@@ -48,19 +48,18 @@ class Recording(NamedTuple):
         allocator alone (eager) holds at the step's peak, relative to its start."""
         return _max_live(self.sizes, self.alloc_at, self.free_at)
 
-    def kept_at_peak(self) -> int:
-        """Of the bytes live at the step's peak (its first tick at ``live_peak``), those of
-        allocations that outlive the step (a train step's gradients, returned values):
-        what no placement or recomputation inside the step can take off its peak."""
-        live = _live(self.sizes, self.alloc_at, self.free_at)
-        if live.size == 0:
-            return 0
-        tick = int(live.argmax())
-        return sum(
-            s
-            for s, a, f in zip(self.sizes, self.alloc_at, self.free_at, strict=True)
-            if f < 0 and a <= tick
-        )
+    def floor(self) -> int:
+        """A peak no placement of this sequence goes below: when an allocation is made, every
+        allocation made before it that outlives the step (gradients only grow) is live
+        beside it. Where it is most of ``live_peak()``, the step's peak is its gradients."""
+        kept = best = 0
+        for i in sorted(range(len(self.sizes)), key=self.alloc_at.__getitem__):
+            if self.free_at[i] < 0:
+                kept += self.sizes[i]
+                best = max(best, kept)
+            else:
+                best = max(best, kept + self.sizes[i])
+        return best
 
     @property
     def total_bytes(self) -> int:
@@ -170,38 +169,81 @@ def choose_plan(
     capacity: int = 0,
     granularity: int = 16,
     ceiling: int | None = None,
+    tolerance: int | None = None,
 ) -> RoutePlan:
     """The plan with the lowest step peak that serves the most bytes from the arena at it.
 
-    The full packing wins where it costs no more than leaving everything to PyTorch. Else
-    allocations are taken one at a time (those live at the step's busiest tick first: the
-    arena must be full there for the peak to fall; then largest first), each at its best
-    gap, refusing any that would grow the arena past the peak it lowers; passes repeat
-    while some are taken.
+    Candidates: the full packing; and allocations taken one at a time (those live at the
+    step's busiest tick first: the arena must be full there for the peak to fall; then
+    largest first), each at its best gap, refusing any that would grow the arena past the
+    peak it lowers, with the arena's growth judged in whole granules and, separately, in
+    bytes; passes repeat while some are taken, and where the arena's rounding puts such a
+    plan over the allocator alone, it is taken again under its arena rounded down. Of those
+    whose peak is at most the allocator's alone, the lowest peak wins.
+
+    At the allocator's alone to the byte, unless that serves less than half of what
+    ``tolerance`` above it would: at the step's busiest tick an arena holding any
+    of it needs its bytes rounded to whole granules and each allocation to 64 bytes, so a
+    step whose peak no plan lowers (gradients present, nothing outlives it) could serve
+    next to nothing from the arena to save a few hundred bytes; there the whole step is
+    served, at most that tolerance above.
 
     Args:
         recording: the step's sequence.
         capacity: the arena's bytes already there (other steps made it): free to use.
         granularity: the arena grows in whole multiples of this many bytes.
         ceiling: the most arena bytes allowed (a pool limit).
+        tolerance: the bytes above the allocator alone that buy serving the whole step
+            (default: one granule and 0.1% of the step's peak; 0: never above it).
 
     Returns:
-        The plan whose ``max(capacity, arena) + beside_peak`` is lowest.
+        The plan chosen; ``max(capacity, arena) + beside_peak`` is its step peak.
     """
-    full = plan_offsets(recording, ceiling=ceiling)
-    # Judged with a tolerance of one granule and 0.1%: the arena's rounding to whole granules
-    # and the packing's 64-byte alignment are no reason to leave a whole step to PyTorch.
     alone = capacity + recording.live_peak()
-    if _peak(full, capacity, granularity) <= alone + granularity + alone // 1000:
-        return full
-    return _grow_greedily(recording, capacity, ceiling)
+    full = plan_offsets(recording, ceiling=ceiling)
+    strict = _best(recording, capacity, granularity, ceiling, full, alone, 0)
+    if tolerance is None:
+        tolerance = granularity + alone // 1000
+    if tolerance <= 0:
+        return strict
+    tolerant = _best(recording, capacity, granularity, ceiling, full, alone + tolerance, tolerance)
+    return strict if 2 * strict.routed_bytes >= tolerant.routed_bytes else tolerant
+
+
+def _best(
+    recording: Recording,
+    capacity: int,
+    granularity: int,
+    ceiling: int | None,
+    full: RoutePlan,
+    allowed: int,
+    tolerance: int,
+) -> RoutePlan:
+    # The lowest peak at most ``allowed``, and of the plans within ``tolerance`` of it, the
+    # one that serves the most.
+    plans = [full]
+    for unit in (granularity, 1):
+        plan = _grow_greedily(recording, capacity, ceiling, unit)
+        while _peak(plan, capacity, granularity) > allowed and plan.need > 0:
+            lower = (plan.need - 1) // granularity * granularity
+            plan = _grow_greedily(recording, capacity, lower, unit)
+        plans.append(plan)
+    # The greedy plans always fit: each growth keeps the peak in bytes, and at an empty
+    # arena the plan is the allocator alone.
+    fitting = [p for p in plans if _peak(p, capacity, granularity) <= allowed]
+    lowest = min(_peak(p, capacity, granularity) for p in fitting)
+    near = [p for p in fitting if _peak(p, capacity, granularity) <= lowest + tolerance]
+    return max(near, key=lambda p: p.routed_bytes)
 
 
 def _peak(plan: RoutePlan, capacity: int, granularity: int) -> int:
     return max(capacity, -(-plan.need // granularity) * granularity) + plan.beside_peak
 
 
-def _grow_greedily(recording: Recording, capacity: int, ceiling: int | None) -> RoutePlan:
+def _grow_greedily(
+    recording: Recording, capacity: int, ceiling: int | None, unit: int
+) -> RoutePlan:
+    # ``unit``: the arena's growth is judged rounded up to whole multiples of it.
     sizes, starts, ends = recording.sizes, recording.alloc_at, recording.free_at
     n = len(sizes)
     horizon = max([*starts, *ends], default=0) + 2
@@ -225,16 +267,16 @@ def _grow_greedily(recording: Recording, capacity: int, ceiling: int | None) -> 
             lows = np.asarray([b[0] for b in busy], dtype=np.int64)
             highs = np.asarray([b[1] for b in busy], dtype=np.int64)
             offset = _best_gap(lows, highs, size)
-            # Judged in bytes: rounding each growth to the granule would refuse every first one.
             grown = max(arena, offset + size)
             if ceiling is not None and grown > ceiling:
                 refused.append(i)
                 continue
-            if grown > arena:
-                peak = arena + int(beside.max())
+            held, holds = -(-arena // unit) * unit, -(-grown // unit) * unit
+            if holds > held:
+                peak = held + int(beside.max())
                 outside = max(_top(beside[:start]), _top(beside[end:]))
                 inside = int(beside[start:end].max()) - sizes[i]
-                if grown + max(outside, inside) > peak:
+                if holds + max(outside, inside) > peak:
                     refused.append(i)
                     continue
             arena = grown

@@ -143,7 +143,10 @@ class Route:
         before = self._capacity()
         ceiling = self._ceiling() if grow else before
         plan = choose_plan(
-            recording, capacity=before, granularity=self._pool.granularity, ceiling=ceiling
+            recording,
+            capacity=before,
+            granularity=self._pool.granularity,
+            ceiling=ceiling,
         )
         if plan.need:
             try:
@@ -227,13 +230,13 @@ class Route:
 
 
 def _kept(recording: Recording) -> str:
-    """Where most of the call's peak outlives it, say so: that part is the step's floor."""
-    peak, kept = recording.live_peak(), recording.kept_at_peak()
-    if not peak or kept < peak / 2:
+    """Where most of the call's peak is its floor, say so: no placement goes below it."""
+    peak, floor = recording.live_peak(), recording.floor()
+    if not peak or floor < peak / 2:
         return ""
     return (
-        f", {kept / peak:.0%} of the call's peak (gradients, returned values): its floor, "
-        "which no placement or recomputation lowers"
+        f"; its floor, {floor / peak:.0%} of the call's peak, is what outlives it (gradients, "
+        "returned values) beside the largest allocation made with it: no placement lowers it"
     )
 
 
