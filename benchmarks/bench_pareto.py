@@ -310,8 +310,8 @@ def _measure(name: str, cases: list[_Case], rounds: int, progress: Progress | No
             case.call()
             peaks[case.label] = allocator_peak(case.call) + case.reserved()
             case.measured(peaks[case.label])
-        if progress is not None and case.said():
-            progress.say(f"{name}: {case.label}: {case.said()}")
+        if progress is not None and (said := case.said()):
+            progress.say(f"{name}: {case.label}: {said}")
     samples: dict[str, list[float]] = {case.label: [] for case in cases}
     for index in range(rounds):
         order = cases if index % 2 == 0 else cases[::-1]

@@ -41,7 +41,7 @@ from harness import Progress, Row, row, script_main
 import sharedmem as sm
 from sharedmem.testing import allocator_peak
 
-__all__ = ["Result", "measure", "run", "sweep"]
+__all__ = ["Result", "measure", "medians", "run", "sweep"]
 
 
 @dataclass
@@ -156,6 +156,14 @@ def sweep(models: list[zoo.Model], say: Callable[[str], None] = lambda line: Non
     return results
 
 
+def medians(ran: list[Result]) -> tuple[float, float]:
+    """The median pooled / eager peak of the models that ran, and their median floor."""
+    return (
+        statistics.median(r.ratio for r in ran),
+        statistics.median(r.floor / r.eager_peak for r in ran),
+    )
+
+
 def table(results: list[Result]) -> str:
     head = (
         f"{'model':<28}{'exact':>6}{'eager peak':>14}{'pooled peak':>14}{'ratio':>7}"
@@ -175,13 +183,13 @@ def table(results: list[Result]) -> str:
     if ran:
         within = sum(-0.01 <= r.eager_error <= 0.03 for r in ran)
         within_pooled = sum(-0.01 <= r.pooled_error <= 0.02 for r in ran)
+        median, floor = medians(ran)
         rows.append(
             f"{len(results)} models, {len(results) - len(ran)} crashed, "
             f"{sum(r.bit_exact for r in ran)} bit-exact, "
             f"{sum(r.ratio <= 1.0 for r in ran)} pooled <= eager; estimate within target: "
             f"eager {within}, pooled {within_pooled} (of {len(ran)}); median ratio "
-            f"{statistics.median(r.ratio for r in ran):.3f}, median floor "
-            f"{statistics.median(r.floor / r.eager_peak for r in ran):.3f}"
+            f"{median:.3f}, median floor {floor:.3f}"
         )
     return "\n".join(rows)
 
@@ -228,8 +236,7 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
             )
     ran = [r for r in results if not r.crash]
     if ran:
-        median = statistics.median(r.ratio for r in ran)
-        floor = statistics.median(r.floor / r.eager_peak for r in ran)
+        median, floor = medians(ran)
         rows.append(
             row("median pooled / eager peak", median, "x", target="<= 0.85x", ok=median <= 0.85)
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -262,13 +263,13 @@ class DropoutBlock(nn.Module):
         return x + F.dropout(self.mlp(self.norm2(x)), self.p, self.training)
 
 
-def test_dropout_is_recomputed_from_the_saved_generator_state_bit_for_bit() -> None:
-    # Dropout's noise (four bytes an element on CPU) is drawn again in backward from the
-    # generator state saved right before the forward's draw: the same masks, the same
-    # gradients, and the generator ends where eager's does, so every later draw is eager's.
+def _heavy_blocks(causal: bool) -> tuple[nn.Module, Any, torch.Tensor, torch.Tensor, Any, Any]:
+    """Three ``DropoutBlock``s, eager and as a pooled step giving time for memory: the
+    eager model, the step, a batch, and the step's traced graph and that graph recomputed."""
+
     def make() -> nn.Module:
         torch.manual_seed(0)
-        blocks = [DropoutBlock() for _ in range(3)]
+        blocks = [DropoutBlock(causal=causal) for _ in range(3)]
         return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(32 * 32, 10))
 
     x, y = torch.randn(8, 32, 32), torch.randint(0, 10, (8,))
@@ -277,21 +278,34 @@ def test_dropout_is_recomputed_from_the_saved_generator_state_bit_for_bit() -> N
     step.recompute_heavy = True
     step.memory_plan(x, y)
     (traced,) = step._traced.values()
-    graph = recompute(traced.gm, heavy=True)[0].graph
-    replays = [n for n in graph.nodes if str(n.target).startswith("sharedmem.replay_bernoulli")]
-    assert replays, "no dropout was drawn again"
-    for seed in range(3):
+    return eager, step, x, y, traced.gm.graph, recompute(traced.gm, heavy=True)[0].graph
+
+
+def _assert_steps_as_eager(eager: nn.Module, step: Any, x: Any, y: Any, seeds: int) -> None:
+    # Per seed: the loss, every gradient and the generator after the step, bit for bit.
+    for seed in range(seeds):
         torch.manual_seed(seed)
         eager.zero_grad(set_to_none=True)
         expected = F.cross_entropy(eager(x), y)
         expected.backward()
         after_eager = torch.get_rng_state()
         torch.manual_seed(seed)
-        model.zero_grad(set_to_none=True)
+        step.model.zero_grad(set_to_none=True)
         assert torch.equal(step(x, y), expected.detach()), seed
         assert torch.equal(torch.get_rng_state(), after_eager), seed
-        for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+        pairs = zip(eager.named_parameters(), step.model.parameters(), strict=True)
+        for (name, p), q in pairs:
             assert torch.equal(p.grad, q.grad), (seed, name)
+
+
+def test_dropout_is_recomputed_from_the_saved_generator_state_bit_for_bit() -> None:
+    # Dropout's noise (four bytes an element on CPU) is drawn again in backward from the
+    # generator state saved right before the forward's draw: the same masks, the same
+    # gradients, and the generator ends where eager's does, so every later draw is eager's.
+    eager, step, x, y, _, graph = _heavy_blocks(causal=False)
+    replays = [n for n in graph.nodes if str(n.target).startswith("sharedmem.replay_bernoulli")]
+    assert replays, "no dropout was drawn again"
+    _assert_steps_as_eager(eager, step, x, y, seeds=3)
 
 
 def test_masked_attention_weights_are_recomputed_with_their_mask_kept_bit_for_bit() -> None:
@@ -299,31 +313,11 @@ def test_masked_attention_weights_are_recomputed_with_their_mask_kept_bit_for_bi
     # backward: giving time for memory, it is computed again there from its scores, which
     # are computed again from q and k; the causal mask added to them, made in the forward
     # from ops no chain computes again, is kept (a fraction of the weights) instead.
-    def make() -> nn.Module:
-        torch.manual_seed(0)
-        blocks = [DropoutBlock(causal=True) for _ in range(3)]
-        return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(32 * 32, 10))
-
-    x, y = torch.randn(8, 32, 32), torch.randint(0, 10, (8,))
-    eager, model = make(), make()
-    step = sm.pooled_train_step(model, F.cross_entropy, pool=sm.BufferPool("cpu"))
-    step.recompute_heavy = True
-    step.memory_plan(x, y)
-    (traced,) = step._traced.values()
+    eager, step, x, y, traced, graph = _heavy_blocks(causal=True)
     softmax = torch.ops.aten._softmax.default
-    before = sum(n.target is softmax for n in traced.gm.graph.nodes)
-    graph = recompute(traced.gm, heavy=True)[0].graph
+    before = sum(n.target is softmax for n in traced.nodes)
     assert sum(n.target is softmax for n in graph.nodes) > before == 3
-    for seed in range(2):
-        torch.manual_seed(seed)
-        eager.zero_grad(set_to_none=True)
-        expected = F.cross_entropy(eager(x), y)
-        expected.backward()
-        torch.manual_seed(seed)
-        model.zero_grad(set_to_none=True)
-        assert torch.equal(step(x, y), expected.detach()), seed
-        for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad), (seed, name)
+    _assert_steps_as_eager(eager, step, x, y, seeds=2)
 
 
 def test_the_cost_model_prices_a_cpu_draw_by_its_elements() -> None:

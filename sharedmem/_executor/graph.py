@@ -274,15 +274,18 @@ def _floor(
     were there before the call (parameters, inputs) have no size here: they are not the
     step's own bytes."""
     made: set[StorageWeakRef] = set()  # storages that outlive the call, made so far
-    best, at = 0, None
+    made_bytes = best = 0
+    at = None
     for i, node in enumerate(nodes):
         if node.op != "call_function":
             continue
         used = set(storages[node]).union(*(storages[u] for u in node.all_input_nodes))
-        need = sum(sizes.get(k, 0) for k in used | made) + scratch.get(i, 0)
+        need = made_bytes + sum(sizes.get(k, 0) for k in used - made) + scratch.get(i, 0)
         if need > best:
             best, at = need, node
-        made |= storages[node] & kept
+        for key in storages[node] & kept - made:
+            made.add(key)
+            made_bytes += sizes.get(key, 0)
     return best, at
 
 

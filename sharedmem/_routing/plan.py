@@ -200,13 +200,15 @@ def choose_plan(
         The plan chosen; ``max(capacity, arena) + beside_peak`` is its step peak.
     """
     alone = capacity + recording.live_peak()
-    full = plan_offsets(recording, ceiling=ceiling)
-    strict = _best(recording, capacity, granularity, ceiling, full, alone, 0)
+    # Grown once, judged in whole granules and in bytes; each limit below trims its own copy.
+    grown = {unit: _grow_greedily(recording, capacity, ceiling, unit) for unit in (granularity, 1)}
+    candidates = (recording, capacity, granularity, plan_offsets(recording, ceiling=ceiling), grown)
+    strict = _best(*candidates, alone, 0)
     if tolerance is None:
         tolerance = granularity + alone // 1000
     if tolerance <= 0:
         return strict
-    tolerant = _best(recording, capacity, granularity, ceiling, full, alone + tolerance, tolerance)
+    tolerant = _best(*candidates, alone + tolerance, tolerance)
     return strict if 2 * strict.routed_bytes >= tolerant.routed_bytes else tolerant
 
 
@@ -214,16 +216,16 @@ def _best(
     recording: Recording,
     capacity: int,
     granularity: int,
-    ceiling: int | None,
     full: RoutePlan,
+    grown: dict[int, RoutePlan],
     allowed: int,
     tolerance: int,
 ) -> RoutePlan:
     # The lowest peak at most ``allowed``, and of the plans within ``tolerance`` of it, the
-    # one that serves the most.
+    # one that serves the most. A grown plan over ``allowed`` grows again under its arena
+    # rounded down to whole granules, until it fits.
     plans = [full]
-    for unit in (granularity, 1):
-        plan = _grow_greedily(recording, capacity, ceiling, unit)
+    for unit, plan in grown.items():
         while _peak(plan, capacity, granularity) > allowed and plan.need > 0:
             lower = (plan.need - 1) // granularity * granularity
             plan = _grow_greedily(recording, capacity, lower, unit)

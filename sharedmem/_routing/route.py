@@ -143,10 +143,7 @@ class Route:
         before = self._capacity()
         ceiling = self._ceiling() if grow else before
         plan = choose_plan(
-            recording,
-            capacity=before,
-            granularity=self._pool.granularity,
-            ceiling=ceiling,
+            recording, capacity=before, granularity=self._pool.granularity, ceiling=ceiling
         )
         if plan.need:
             try:
