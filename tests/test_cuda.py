@@ -85,10 +85,12 @@ def settle_garbage() -> None:
 
 
 def keep_the_device_busy() -> None:
-    """Make the producer still busy when the next copy is issued (on the stand-in, queued
-    copies run late on every stream anyway)."""
+    """Make the producer still busy when the next copy is issued (on the stand-in: its
+    scheduler runs nothing of this device early until the host waits on it)."""
     if HAS_CUDA:
         torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
+    else:
+        ops().sleep(current_device())  # type: ignore[attr-defined]
 
 
 @on_gpu
@@ -255,6 +257,7 @@ def test_async_copies_on_a_side_stream_wait_for_the_producer(backend: str) -> No
         host = m.host_data()
         assert int(host.min()) == int(host.max()) == value
         m.mutable_host_data().fill_(value + 10)
+        keep_the_device_busy()  # the push (after the current stream) runs late
         m.push_async(given)
         device = m.device_data()  # ordered after the push on the current stream
         assert int(device.min()) == int(device.max()) == value + 10

@@ -288,6 +288,34 @@ def test_the_scheduler_runs_queued_work_early_as_its_seed_says() -> None:
     assert "seed=5" in repr(Scheduler(5))
 
 
+def test_a_device_kept_busy_runs_nothing_early_until_its_sleep_is_waited_for(seed: int) -> None:
+    def copy(stream: Any) -> None:
+        one = torch.ones(1, dtype=torch.uint8)
+        sim.ops.copy_on(stream, torch.zeros(1, dtype=torch.uint8), one)
+
+    with SimulatedCuda(seed=seed) as sim:
+        ops = sim.ops
+        ops.scheduler.eagerness = 1.0  # every point would run something, but for the sleep
+        side, other = ops.new_stream(0), ops.new_stream(1)
+        copy(side)
+        before = side.record_event()
+        ops.sleep(0)
+        for _ in range(20):
+            copy(side)
+            copy(other)
+        assert side.done <= 1 and other.done > 0  # the other device was not kept busy
+        before.synchronize()  # work queued before the sleep: the device stays busy
+        copy(side)
+        assert side.done == 1
+        after = ops.current_stream(0).record_event()
+        after.synchronize()  # the sleep has run: the device is free again
+        for _ in range(4):
+            copy(side)
+        assert side.done > 1
+        ops.synchronize(0)
+        ops.synchronize(1)
+
+
 def test_fresh_device_memory_is_not_cleared(sim: SimulatedCuda) -> None:
     error, address = sim.runtime.cudaMalloc(4096)
     assert name((error,)) == "cudaSuccess"
@@ -396,8 +424,13 @@ def test_every_plant_still_finds_its_line() -> None:
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="plants bugs on the stand-in only, never on a real GPU")
-def test_every_planted_bug_fails_a_cuda_test() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+def test_every_planted_bug_fails_a_cuda_test(seed: int) -> None:
+    # Each run draws its schedules from this test's seed, so a survivor can be run again.
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        "SHAREDMEM_SEED": str(seed),
+    }
     env.pop("PYTEST_ADDOPTS", None)
     runs = {
         each: subprocess.Popen(

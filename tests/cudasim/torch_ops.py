@@ -8,9 +8,12 @@ use of the bytes), a device synchronized (``synchronize``, ``cuCtxSynchronize``,
 ``cudaFree``). A ``wait_event`` / ``wait_stream`` on any other stream queues a barrier there,
 as on a GPU: that stream's later work waits, the host does not. Besides, a seeded random
 ``Scheduler`` may run queued work earlier, at a point it picks (each time work is queued or
-waited on): a GPU may run a copy at any moment after it is issued. So a missing wait shows up
-as wrong bytes either way: a reader that did not wait reads the bytes from before the copy, and
-a writer that did not wait for a copy still reading its bytes changes what the copy carries.
+waited on): a GPU may run a copy at any moment after it is issued, unless the device is kept
+busy (``sleep``, the stand-in's ``torch.cuda._sleep``) until something waits for the sleep. So
+a missing wait shows up as wrong bytes either way: a reader that did not wait reads the bytes
+from before the copy, and a writer that did not wait for a copy still reading its bytes changes
+what the copy carries. A test that must catch a missing wait whatever the seed keeps the device
+busy before the copy.
 
 **Where the host stays eager.** Ordinary tensor code of the backends and of a test (``fill_``,
 ``copy_`` between views, ``.cpu()``, a growth's copy) cannot be intercepted: it runs on the
@@ -72,7 +75,7 @@ class Scheduler:
         """A moment at which a GPU might have run some queued work: maybe run some."""
         if self.eagerness <= 0 or self._random.random() >= self.eagerness:
             return
-        busy = [stream for stream in streams if stream.pending()]
+        busy = [stream for stream in streams if stream.pending() and not stream.asleep()]
         if busy:
             stream = self._random.choice(busy)
             stream.run_until(stream.done + self._random.randint(1, stream.pending()))
@@ -134,6 +137,9 @@ class SimulatedStream:
             if any(a < address + size and address < a + n for a, n in operation.ranges):
                 return f"{operation.what} queued on {self} still touches it"
         return None
+
+    def asleep(self) -> bool:
+        return self.device_index in self._ops.sleeping
 
     def synchronize(self) -> None:
         self.run_until(self.issued)
@@ -255,6 +261,7 @@ class SimulatedTorchOps(TorchCudaOps):
         self.bad_fork = False  # a fork child of a process that had initialised CUDA
         self.allocator: PluggableAllocator | None = None  # installed by install_allocator
         self.upstream_calls: tuple[Any, ...] = ()
+        self.sleeping: set[int] = set()  # devices kept busy (``sleep``)
         memory.queued_users = self.queued_users
         _live_ops.add(self)
 
@@ -303,6 +310,14 @@ class SimulatedTorchOps(TorchCudaOps):
             if found is not None:
                 return found
         return None
+
+    def sleep(self, index: int) -> None:
+        """``torch.cuda._sleep``: a kernel on device ``index``'s current stream that keeps the
+        device busy until something waits for it: till it has run, the scheduler runs nothing
+        of that device early (a wait for work queued before it does not end it)."""
+        self.sleeping.add(self._index(index))
+        wake = _Operation(lambda: self.sleeping.discard(index), [], "a sleep")
+        self.current[index].enqueue(wake)
 
     def flush(self, index: int | None = None) -> None:
         """Run everything queued on device ``index``'s streams (every device's: ``None``)."""
