@@ -86,7 +86,7 @@ def settle_garbage() -> None:
 
 def keep_the_device_busy() -> None:
     """Make the producer still busy when the next copy is issued (on the stand-in: its
-    scheduler runs nothing of this device early until the host waits on it)."""
+    scheduler runs nothing of this device early until something waits for the sleep)."""
     if HAS_CUDA:
         torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
     else:

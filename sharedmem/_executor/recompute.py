@@ -73,7 +73,8 @@ _HEAVY = frozenset(
 # head's scores.
 _SOFTMAX = frozenset({aten._softmax.default, aten._safe_softmax.default})
 HEAVY_MIN_GAP = 4
-# A random fill is replayed only where it frees this many times the generator state it keeps.
+# What a recomputation keeps to free a value (a random fill's generator state; an input no
+# chain makes again, such as an attention's mask) is at most this fraction of what it frees.
 REPLAY_MIN_RATIO = 4
 
 

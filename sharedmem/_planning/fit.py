@@ -431,26 +431,22 @@ class FittedTrainStep(Fitted):
         if not levels:
             return False
 
-        least: dict[float | bool, int] = {}
-
-        def fits(level: float | bool) -> bool:
+        def need_at(level: float | bool) -> Need | None:
             self.step.recompute_heavy = level
             try:
-                need = self._need(inputs, targets, 1, accumulating)
+                return self._need(inputs, targets, 1, accumulating)
             finally:
                 self.step.recompute_heavy = False
-            if need is not None:
-                least[level] = need.total
+
+        def fits(level: float | bool) -> bool:
+            need = need_at(level)
             return need is not None and need.fits(budget, limit)
 
-        if not fits(levels[-1]):
-            if levels[-1] in least:  # say why: what it reached, and what bounds it
+        least = need_at(levels[-1])
+        if least is None or not least.fits(budget, limit):
+            if least is not None:  # say why: what it reached, and what bounds it
                 plan = self.step.memory_plan(inputs, targets, with_grads=accumulating)
-                self.unreached[_label(inputs, targets)] = (
-                    least[levels[-1]],
-                    plan.floor,
-                    plan.floor_op,
-                )
+                self.unreached[_label(inputs, targets)] = (least.total, plan.floor, plan.floor_op)
             return False
         low, high = -1, len(levels) - 1  # levels[high] fits; levels[low] does not (-1: none)
         while high - low > 1:
@@ -492,8 +488,7 @@ class FittedTrainStep(Fitted):
             step.recompute_heavy = False
         by_chunks = chunked / whole - 1.0
         fraction *= step.modelled_time(inputs, targets, per_call=False) / whole  # of the same
-        label = " ".join(str(tuple(t.shape)) for t in _tensors((inputs, targets)))
-        self.compared[label] = (chunks, by_chunks, fraction)
+        self.compared[_label(inputs, targets)] = (chunks, by_chunks, fraction)
         return by_chunks < fraction
 
     def _chunk_step(self, part: Chunk, chunks: int) -> tuple[PooledTrainStep, object]:
