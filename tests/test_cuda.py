@@ -244,6 +244,21 @@ def test_the_host_side_is_pinned_and_grows_in_place(backend: str) -> None:
 
 @on_gpu
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_memory_grown_in_steps_copies_in_one_piece(backend: str) -> None:
+    # A GPU refuses a copy whose host range spans two registrations (cudaErrorInvalidValue,
+    # seen on an H100): the host side grown in place must stay one registration.
+    usable_or_skip(backend)
+    m = sm.SyncedMemory(0, device="cuda", backend=backend)
+    for step in range(1, 9):
+        m.set_size(step * 256 * 1024 + 4096)
+        m.mutable_host_data().fill_(step)
+        assert m.device_data().cpu().unique().tolist() == [step]
+    m.mutable_device_data().fill_(42)
+    assert m.host_data().unique().tolist() == [42]
+
+
+@on_gpu
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_async_copies_on_a_side_stream_wait_for_the_producer(backend: str) -> None:
     usable_or_skip(backend)
     size = 64 * MiB

@@ -19,11 +19,14 @@ they grow: the host side works wherever PyTorch does.
 
 Trade-offs:
 
-* One registration per growth. Registering costs roughly as much as touching the pages once
-  (the driver locks and maps them), so a growth costs about what first use would anyway;
-  a shrink that cuts a registration re-registers the part kept. A memory grown in steps is
-  several registrations, and a copy over it spans them all; that this costs no bandwidth is
-  expected (the driver looks each page up) but not yet measured on a GPU.
+* One registration for the whole committed part, always. A copy whose host range spans two
+  registrations is refused by the driver (``cudaErrorInvalidValue``, measured on an H100 with
+  driver 580: a memory grown in 16 steps could not be copied at all), so a growth
+  unregisters what was pinned and registers the whole new range at once, and a shrink
+  re-registers the part kept. Registering costs roughly as much as touching the pages once
+  (the driver locks and maps them); re-registering on growth adds the old part's cost again,
+  and every device is synchronized first (below), which a growth of a geometric series
+  amortizes.
 * Registered pages cannot be swapped out: pinning much more than the working set starves the
   rest of the system, as any pinned allocation does. A growth past the machine's memory and
   swap is refused before anything is registered.
@@ -132,13 +135,19 @@ class _Pins:
         self.meter.add(size)
 
     def pin(self, end: int) -> None:
-        """Register the range up to ``end``; raises ``OutOfMemoryError`` when refused."""
-        if end > self.end:
-            refuse_in_capture(f"pinning {end:,} bytes of host memory", f"cuda:{self.index}")
-            try:
-                self._register(self.end, end - self.end)
-            except DeviceOutOfMemory as error:
-                raise _host_oom(end, self.meter, self.index, str(error)) from None
+        """Register the range up to ``end`` as one registration (a copy may not span two);
+        raises ``OutOfMemoryError`` when refused, with what was pinned still pinned."""
+        kept = self.end
+        if end <= kept:
+            return
+        refuse_in_capture(f"pinning {end:,} bytes of host memory", f"cuda:{self.index}")
+        self.unpin(0)
+        try:
+            self._register(0, end)
+        except DeviceOutOfMemory as error:
+            if kept:
+                self._register(0, kept)
+            raise _host_oom(end, self.meter, self.index, str(error)) from None
 
     def unpin(self, end: int) -> None:
         """Unregister everything at or beyond ``end``; the part below stays registered."""

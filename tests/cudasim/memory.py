@@ -294,6 +294,18 @@ class DeviceMemory:
                 end = at + length
         return end >= address + size
 
+    def spans_registrations(self, address: int, size: int) -> bool:
+        """Whether the range touches registered host memory without lying inside one
+        registration: a GPU refuses a copy over it (``cudaErrorInvalidValue``, seen on an
+        H100), as the driver resolves a pinned host range to one registration."""
+        touching = [
+            (at, length)
+            for at, length in self.registered.items()
+            if at < address + size and address < at + length
+        ]
+        inside = any(at <= address and address + size <= at + n for at, n in touching)
+        return bool(touching) and not inside
+
     def leaks(self) -> list[str]:
         """What is still held: after every memory is gone, a backend that leaks shows here."""
         found = [f"reservation {a:#x} ({r.size:,} bytes)" for a, r in self.reservations.items()]

@@ -468,6 +468,9 @@ class SimulatedTorchOps(TorchCudaOps):
         if not isinstance(stream, SimulatedStream):
             raise TypeError(f"cudasim: copy_on needs a simulated stream, got {stream!r}")
         what = f"a copy of {src.numel() * src.element_size():,} bytes"
+        with self.memory.lock:
+            if any(self.memory.spans_registrations(*_range(t)) for t in (dst, src)):
+                raise RuntimeError(f"CUDA error: invalid argument ({what} spans two registrations)")
         stream.enqueue(_Operation(lambda: dst.copy_(src), [_range(dst), _range(src)], what))
 
     def used_on(self, tensor: torch.Tensor, stream: Any) -> None:
