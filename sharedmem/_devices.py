@@ -67,8 +67,10 @@ def normalize_device(device: object) -> str:
         return kind
     if kind == "cuda":
         require_usable("cuda" if index is None else f"cuda:{index}")
+        from ._backends.cuda_api import refuse_after_fork
         from ._backends.cuda_torch_ops import ops
 
+        refuse_after_fork()  # before PyTorch's current_device, which only says "spawn"
         return f"cuda:{ops().current_device() if index is None else index}"
     raise ValueError(f"sharedmem: unknown device {device!r}; use {_FORMS}")
 

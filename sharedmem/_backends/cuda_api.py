@@ -31,6 +31,7 @@ __all__ = [
     "error_name",
     "install_bindings",
     "on_device",
+    "refuse_after_fork",
     "refuse_in_capture",
     "vmm_supported",
 ]
@@ -244,6 +245,19 @@ def vmm_supported(index: int) -> bool:
     return attribute(index, "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED") != 0
 
 
+def refuse_after_fork() -> None:
+    """Raise ``SharedMemError`` in a fork child of a process that had used CUDA (through
+    sharedmem or PyTorch): no CUDA call can work there, and PyTorch's own refusal does not
+    say what to do."""
+    if _forked_after_use or ops().forked_after_init():
+        raise SharedMemError(
+            "sharedmem: this process was made by fork after its parent had used CUDA, and a "
+            "CUDA context does not survive fork: its CUDA memories cannot be used here. Use the "
+            "'spawn' start method (multiprocessing.set_start_method('spawn')), or create CUDA "
+            "memories only in the child."
+        )
+
+
 @contextlib.contextmanager
 def on_device(index: int) -> Iterator[None]:
     """Run the block with device ``index`` current, for PyTorch and for the driver.
@@ -252,13 +266,7 @@ def on_device(index: int) -> Iterator[None]:
     current one and nothing has used it yet; pushing the primary context does, and the
     runtime API (cuda-python's included) picks up the context current to the thread.
     """
-    if _forked_after_use or ops().forked_after_init():
-        raise SharedMemError(
-            "sharedmem: this process was made by fork after its parent had used CUDA, and a "
-            "CUDA context does not survive fork: its CUDA memories cannot be used here. Use the "
-            "'spawn' start method (multiprocessing.set_start_method('spawn')), or create CUDA "
-            "memories only in the child."
-        )
+    refuse_after_fork()
     global _used
     driver = bindings().driver
     context = _primary_context(index)

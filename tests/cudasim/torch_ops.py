@@ -353,6 +353,8 @@ class SimulatedTorchOps(TorchCudaOps):
         return self.count
 
     def current_device(self) -> int:
+        if self.bad_fork:  # as torch.cuda.current_device() in such a child, on a GPU
+            raise RuntimeError("Cannot re-initialize CUDA in forked subprocess.")
         return int(getattr(self._device, "index", 0))
 
     def tensor_device(self, index: int) -> torch.device:
