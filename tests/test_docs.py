@@ -1,4 +1,5 @@
-"""The documentation runs: README's Python blocks and every docstring example."""
+"""The documentation runs: the Python blocks of the README and of every page of docs/, and
+every docstring example."""
 
 from __future__ import annotations
 
@@ -19,9 +20,25 @@ def python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.DOTALL)
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks(ROOT / "README.md"))))
-def test_readme_python_blocks_run(index: int) -> None:
-    exec(compile(python_blocks(ROOT / "README.md")[index], f"README.md block {index}", "exec"), {})
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [
+    pytest.param(block, id=f"{page.relative_to(ROOT)}-{index}")
+    for page in PAGES
+    for index, block in enumerate(python_blocks(page))
+]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_python_blocks_of_the_readme_and_the_docs_run(
+    block: str, request: pytest.FixtureRequest
+) -> None:
+    exec(compile(block, request.node.callspec.id, "exec"), {})
+
+
+def test_every_docs_page_is_in_the_site_navigation() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    missing = [p.name for p in (ROOT / "docs").glob("*.md") if f": {p.name}" not in nav]
+    assert missing == []
 
 
 MODULES = sorted(
