@@ -19,6 +19,7 @@ __all__ = [
     "MAX_NBYTES",
     "SIZE_SPELLING",
     "ShapeLike",
+    "call_loss_fn",
     "check_blob_nbytes",
     "check_byte_tensor",
     "check_bytes",
@@ -143,14 +144,28 @@ def check_loss_fn(loss_fn: object) -> Callable[..., Any] | None:
     return loss_fn
 
 
+def call_loss_fn(loss_fn: Callable[..., Any], output: object, targets: object) -> Any:
+    """``loss_fn(output, targets)``. Where the call itself fails (a builtin whose parameters
+    ``check_loss_fn`` could not read), the error says it was ``loss_fn`` that could not take
+    them; an error raised inside ``loss_fn`` passes as it is."""
+    try:
+        return loss_fn(output, targets)
+    except TypeError as e:
+        # The traceback starts in this frame: a next frame means loss_fn's own code raised.
+        inside = e.__traceback__ is not None and e.__traceback__.tb_next is not None
+        if inside or str(e).startswith("sharedmem:"):
+            raise
+        raise TypeError(loss_fn_error(loss_fn, str(e))) from e
+
+
 def loss_fn_error(loss_fn: object, why: str) -> str:
     """The message of a ``loss_fn`` that cannot be called with ``(output, targets)``."""
     name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
     return (
-        f"sharedmem: loss_fn must take two arguments, loss_fn(output, targets), and return "
-        f"the loss; {name} cannot be called so: {why}. Give a function of (output, targets) "
-        "(e.g. lambda out, y: my_loss(out)), or loss_fn=None to use the model's own loss "
-        "(out.loss, out['loss'] or a scalar output)"
+        f"sharedmem: loss_fn is called with two arguments, loss_fn(output, targets), and "
+        f"returns the loss; {name} cannot be called so: {why}. Give a function of (output, "
+        "targets) (e.g. lambda out, y: my_loss(out)), or loss_fn=None to use the model's own "
+        "loss (out.loss, out['loss'] or a scalar output)"
     )
 
 
@@ -160,8 +175,12 @@ def _described(signature: inspect.Signature) -> str:
         for p in signature.parameters.values()
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
     ]
+    bare = signature.replace(  # the names a reader matches against the call, no annotations
+        parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+        return_annotation=signature.empty,
+    )
     n = len(positional)
-    return f"{n} required positional argument{'' if n == 1 else 's'} {signature}"
+    return f"{n} required positional argument{'' if n == 1 else 's'} {bare}"
 
 
 def check_shape(shape: object) -> torch.Size:

@@ -15,6 +15,7 @@ from torch import nn
 
 from .._executor import PooledForward, PooledTrainStep
 from .._pool import BufferPool
+from .._validate import check_loss_fn
 from .budget import check_exact, check_max_slowdown
 from .chunking import Splitter, UserSplit
 from .fit import FitStep, FittedForward, FittedTrainStep
@@ -294,8 +295,7 @@ def fit_step(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"sharedmem: loss_fn must be callable, got {type(loss_fn).__name__}")
+    check_loss_fn(loss_fn)
     if budget is None and chunks is None:
         raise ValueError("sharedmem: fit_step needs budget=... (bytes or 'free') or chunks=N")
     splitter = Splitter(batch_dim, split)
