@@ -1,8 +1,14 @@
-"""The error hierarchy: one base class, and an out-of-memory error that says what to do."""
+"""The error hierarchy: one base class, and an out-of-memory error that says what to do; and
+the quiet in which torch's own log of a failure we say in one line is left out."""
 
 from __future__ import annotations
 
-__all__ = ["OutOfMemoryError", "SharedMemError"]
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["OutOfMemoryError", "SharedMemError", "quiet_fake_tensor_failures"]
 
 
 class SharedMemError(RuntimeError):
@@ -92,3 +98,22 @@ def _process() -> str:
     if not (dist.is_available() and dist.is_initialized()):
         return ""
     return f"rank {dist.get_rank()} of {dist.get_world_size()}"
+
+
+@contextmanager
+def quiet_fake_tensor_failures() -> Iterator[None]:
+    """Inside the block, drop what torch logs, in this thread, about an op that failed on
+    fake tensors (``failed while attempting to run meta for aten.mm``, and its traceback: 25
+    lines): the error itself still propagates, and sharedmem says it in one line. Other
+    threads, and every other logger, log as before; the filter goes in ``finally``."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    me = threading.get_ident()
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.thread != me or record.levelno < logging.ERROR
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)

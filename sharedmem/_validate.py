@@ -7,22 +7,28 @@ changes.
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
-from collections.abc import Sequence
-from typing import TypeAlias
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 import torch
 
 __all__ = [
     "MAX_NBYTES",
+    "SIZE_SPELLING",
     "ShapeLike",
+    "call_loss_fn",
     "check_blob_nbytes",
     "check_byte_tensor",
+    "check_bytes",
     "check_dtype",
+    "check_loss_fn",
     "check_name",
     "check_nbytes",
     "check_shape",
+    "loss_fn_error",
 ]
 
 ShapeLike: TypeAlias = "int | Sequence[int] | torch.Size"
@@ -79,6 +85,102 @@ def check_nbytes(value: object, what: str = "nbytes") -> int:
     if n > MAX_NBYTES:
         raise ValueError(f"sharedmem: {what} must be at most {MAX_NBYTES:,} bytes, got {n:,}")
     return n
+
+
+# How a size in bytes may be written wherever one is taken (a pool's limit, a step's budget,
+# an estimate's memory, the command line's --budget and --memory): the spelling, once.
+_SCALE = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+SIZE_SPELLING = "an int >= 0 or a size such as '8G', '512M' or '64K' (powers of 1024)"
+
+
+def check_bytes(value: object, what: str) -> int:
+    """Bytes from an int >= 0 or a size as the command line writes it: ``"8G"``, ``"512M"``,
+    ``"64K"``, ``"1T"`` (powers of 1024; a trailing ``B``/``iB`` and ``_`` separators allowed).
+
+    >>> check_bytes("8G", "limit"), check_bytes("1_000", "limit"), check_bytes(4096, "limit")
+    (8589934592, 1000, 4096)
+    """
+    spelling = f"sharedmem: {what} must be bytes: {SIZE_SPELLING}, got {value!r}"
+    if isinstance(value, str):
+        text = value.strip().lower().replace("_", "").removesuffix("ib").removesuffix("b")
+        scale = _SCALE.get(text[-1:], 1)
+        digits = text[:-1] if scale > 1 else text
+        if not (digits.isascii() and digits.isdigit()):
+            raise ValueError(spelling)
+        n = int(digits) * scale
+    else:
+        try:
+            n = _as_int(value, what)
+        except TypeError:
+            raise TypeError(f"{spelling} ({type(value).__name__})") from None
+        if n < 0:
+            raise ValueError(spelling)
+    return check_nbytes(n, what)  # within what a buffer can hold
+
+
+def check_loss_fn(loss_fn: object) -> Callable[..., Any] | None:
+    """Return ``loss_fn`` (or ``None``) if it can be called as ``loss_fn(output, targets)``.
+
+    Where Python cannot tell a callable's parameters (some builtins), the call itself says
+    at trace time (``loss_fn_error``).
+    """
+    if loss_fn is None:
+        return None
+    if not callable(loss_fn):
+        raise TypeError(
+            f"sharedmem: loss_fn must be callable as loss_fn(output, targets), got "
+            f"{type(loss_fn).__name__}"
+        )
+    # A module's __call__ takes anything; its forward says what it takes.
+    target = loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # no signature to read: the call at trace time tells
+        return loss_fn
+    try:
+        signature.bind(None, None)
+    except TypeError as e:
+        raise TypeError(loss_fn_error(loss_fn, f"it takes {_described(signature)} ({e})")) from None
+    return loss_fn
+
+
+def call_loss_fn(loss_fn: Callable[..., Any], output: object, targets: object) -> Any:
+    """``loss_fn(output, targets)``. Where the call itself fails (a builtin whose parameters
+    ``check_loss_fn`` could not read), the error says it was ``loss_fn`` that could not take
+    them; an error raised inside ``loss_fn`` passes as it is."""
+    try:
+        return loss_fn(output, targets)
+    except TypeError as e:
+        # The traceback starts in this frame: a next frame means loss_fn's own code raised.
+        inside = e.__traceback__ is not None and e.__traceback__.tb_next is not None
+        if inside or str(e).startswith("sharedmem:"):
+            raise
+        raise TypeError(loss_fn_error(loss_fn, str(e))) from e
+
+
+def loss_fn_error(loss_fn: object, why: str) -> str:
+    """The message of a ``loss_fn`` that cannot be called with ``(output, targets)``."""
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
+    return (
+        f"sharedmem: loss_fn is called with two arguments, loss_fn(output, targets), and "
+        f"returns the loss; {name} cannot be called so: {why}. Give a function of (output, "
+        "targets) (e.g. lambda out, y: my_loss(out)), or loss_fn=None to use the model's own "
+        "loss (out.loss, out['loss'] or a scalar output)"
+    )
+
+
+def _described(signature: inspect.Signature) -> str:
+    positional = [
+        p
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    bare = signature.replace(  # the names a reader matches against the call, no annotations
+        parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+        return_annotation=signature.empty,
+    )
+    n = len(positional)
+    return f"{n} required positional argument{'' if n == 1 else 's'} {bare}"
 
 
 def check_shape(shape: object) -> torch.Size:

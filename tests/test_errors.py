@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 
 import numpy as np
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 import sharedmem as sm
+
+F = torch.nn.functional
 
 
 def test_out_of_memory_error_is_a_memory_error_with_its_numbers() -> None:
@@ -175,3 +178,94 @@ def test_a_view_too_big_for_any_buffer_is_refused_before_anything_changes() -> N
         b.retype((2**59,), torch.complex128)
     assert b.shape == (2**58, 4) and b.dtype == torch.float32  # the reshape alone was fine
     assert b.data_memory.size == 2**62
+
+
+# ---- a step given a loss or an input it cannot take ---------------------------------------
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+
+
+class _OneArgLoss(torch.nn.Module):
+    def forward(self, output: torch.Tensor) -> torch.Tensor:
+        return output.sum()
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "given"),
+    [
+        (lambda out: out.sum(), r"1 required positional argument \(out\)"),
+        (lambda out, y, w: out.sum(), r"3 required positional arguments \(out, y, w\)"),
+        (_OneArgLoss(), r"1 required positional argument \(output\)"),
+    ],
+)
+def test_a_loss_fn_of_the_wrong_arity_is_refused_before_tracing(
+    loss_fn: object, given: str
+) -> None:
+    message = (
+        rf"^sharedmem: loss_fn is called with two arguments, loss_fn\(output, targets\).*{given}"
+    )
+    pool = sm.BufferPool()
+    with pytest.raises(TypeError, match=message):
+        sm.pooled_train_step(_mlp(), loss_fn, pool=pool)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=message):
+        sm.fit_step(_mlp(), loss_fn, chunks=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=message):
+        sm.estimate(_mlp(), torch.randn(4, 16), torch.randn(4, 4), loss_fn=loss_fn)  # type: ignore[arg-type]
+    assert len(pool) == 0  # nothing was traced or planned
+
+
+def test_a_loss_fn_python_cannot_read_is_checked_by_its_call() -> None:
+    # A builtin has no signature to read: its call at trace time says it was loss_fn's. An
+    # error raised inside a loss_fn's own code passes as the loss_fn raised it.
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    step = sm.pooled_train_step(_mlp(), torch.neg, pool=sm.BufferPool())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^sharedmem: loss_fn is called .*neg\(\) takes 1 "):
+        step(x, y)
+
+    def own(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise TypeError("the loss's own complaint")
+
+    with pytest.raises(TypeError, match=r"^the loss's own complaint$"):
+        sm.pooled_train_step(_mlp(), own, pool=sm.BufferPool())(x, y)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_an_input_the_model_cannot_take_is_one_line_naming_the_module() -> None:
+    # Linear '2' takes width 8 where its predecessor gives 4: one sharedmem error naming the
+    # module and the shapes given, and none of the fake-tensor log (about 25 lines) PyTorch
+    # writes on its way: the filter drops it before any handler sees it.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 4), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    filters, seen = list(logger.filters), _Records()
+    logger.addHandler(seen)
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    try:
+        for run, given in [
+            (
+                lambda: sm.pooled_train_step(model, F.mse_loss, pool=sm.BufferPool())(x, y),
+                "targets",
+            ),
+            (lambda: sm.pooled_forward(model, pool=sm.BufferPool())(x), "inputs"),
+        ]:
+            with pytest.raises(sm.SharedMemError) as caught:
+                run()
+            text = str(caught.value)
+            assert text.startswith("sharedmem: could not trace ") and "\n" not in text
+            assert "in Linear '2'" in text and "4x16 float32" in text and given in text
+            assert "Eager PyTorch fails there too" in text
+        with pytest.raises(RuntimeError):  # the estimate runs the model as eager would
+            sm.estimate(model, x, y, loss_fn=F.mse_loss)
+    finally:
+        logger.removeHandler(seen)
+    assert [r.getMessage() for r in seen.records if r.levelno >= logging.ERROR] == []
+    assert logger.filters == filters  # the quiet ends with the trace

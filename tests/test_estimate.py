@@ -259,6 +259,36 @@ def test_the_command_prints_the_report_and_judges_a_budget(
         assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_every_way_the_command_fails_is_one_line_that_names_the_fix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ok = ["estimate", "torch.nn:Linear", "--arg", "16", "--arg", "4", "--input", "8x16"]
+    assert main([*ok, "--budget", "512M"]) == 0  # --arg reaches the factory, in order
+    named = ["--arg", "in_features=16", "--arg", "out_features=4", "--input", "8x16"]
+    assert main(["estimate", "torch.nn:Linear", *named]) == 0  # or by name
+    capsys.readouterr()
+    for argv, says in [
+        (ok[:2] + ok[-2:], "--arg in_features=VALUE --arg out_features=VALUE"),
+        ([*ok[:-1], "8x8"], "cannot take an input of shape (8, 8)"),
+        ([*ok, "--device", "tpu"], "unknown device 'tpu'"),
+        (["estimate", "torch:randn", "--arg", "3", "--input", "8"], "returned a Tensor, not an"),
+        (["estimate", "torch.nn:Linear", "--arg", "16", "--arg", "-4", *ok[-2:]], "failed"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("sharedmem: ") and err.count("\n") == 1 and says in err, err
+    for argv, says in [  # refused by argparse, before anything runs
+        (["estimate", "nope_models:Net", *ok[-2:]], "cannot import 'nope_models'"),
+        (["estimate", "torch.nn:Nope", *ok[-2:]], "has no callable 'Nope'"),
+        ([*ok[:-1], "8by16"], "--input takes a shape like 8x3x224x224"),
+        ([*ok, "--budget", "1.5G"], "--budget must be bytes: an int >= 0 or a size such as '8G'"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and says in err and "Traceback" not in err, err
+
+
 def test_the_command_takes_several_inputs_keywords_and_the_models_own_loss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

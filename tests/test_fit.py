@@ -9,6 +9,7 @@ arguments are refused.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -363,6 +364,25 @@ def test_batch_norm_in_training_mode_is_named_once() -> None:
     with __import__("warnings").catch_warnings():
         __import__("warnings").simplefilter("error")
         step(x, y)  # said once
+
+
+def test_more_chunks_than_examples_run_one_example_a_chunk_and_say_so() -> None:
+    # Clamped, not refused: a loader's last batch may hold fewer examples than chunks=.
+    gen = torch.Generator().manual_seed(0)
+    x, y = data("mlp", 4, gen)
+    said = r"^sharedmem: chunks=100 but the batch holds 4 examples, the most chunks it can run in"
+    pool = sm.BufferPool("cpu")
+    for step, args in (
+        (sm.pooled_train_step(mlp(0), F.mse_loss, pool=pool, chunks=100), (x, y)),
+        (sm.fit_step(mlp(0), F.mse_loss, chunks=100), (x, y)),
+        (sm.pooled_forward(mlp(0), pool=pool, chunks=100), (x,)),
+    ):
+        with pytest.warns(UserWarning, match=said + r": it runs in 4 chunks of one example"):
+            step(*args)
+        assert step.chunks_for(*args) == 4
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            step(*args)  # said once a batch shape
 
 
 def test_an_unknown_reduction_is_assumed_a_mean_and_said_and_none_is_refused() -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
 
 import sharedmem as sm
+from sharedmem._pool.report import figure_label, is_bytes
 
 MiB = 1 << 20
 
@@ -155,6 +157,47 @@ def test_layers_count_their_bytes_and_the_report_shows_them() -> None:
     assert "unpooled total 100 bytes" in last and "offloaded total 8,192 bytes" in last
     with pytest.raises(ValueError, match=r"^sharedmem: nbytes must be >= 0"):
         pool.count("offloaded_bytes_total", -1)
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_counts_are_counts_and_bytes_are_bytes_in_the_report(device: str) -> None:
+    # A pool with every kind of figure: its own traffic, a routed step's calls and bytes, a
+    # layer's byte counter. Each figure the totals show carries its unit, and only its own.
+    torch.manual_seed(0)
+    pool = sm.BufferPool(device)
+    pool.host_tensor("input", (1000,)).fill_(1.0)
+    pool.blob("input").data()  # host -> device on emulated
+    pool.tensor("x", (10,))
+    pool.tensor("x", (5000,))  # a growth that copies
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    step = sm.pooled_train_step(model, torch.nn.functional.mse_loss, pool=pool)
+    for _ in range(3):
+        step(torch.randn(4, 8), torch.randn(4, 2))
+    pool.count("offloaded_bytes_total", 4096)
+    pool.count("diverged_calls", 2)
+    stats = pool.stats()
+    counts = {key for key in stats if not is_bytes(key)}
+    assert {"num_buffers", "num_grows", "recorded_calls", "replayed_calls"} <= counts
+    assert {"arena_served_bytes", "unpooled_bytes_per_call", "offloaded_bytes_total"} <= set(
+        stats
+    ) - counts
+    lines = pool.report().splitlines()
+    totals = "\n".join(lines[max(i for i, line in enumerate(lines) if set(line) == {"-"}) :])
+    shown = 0
+    for key, value in stats.items():
+        if key in ("num_buffers", "high_water_bytes"):  # the title's count, the table's column
+            continue
+        if device == "cpu" and key in ("host_reserved_bytes", "device_reserved_bytes"):
+            continue  # one memory: said in words
+        label = re.escape(figure_label(key))
+        found = re.search(rf"(?<![\w>-]){label} {value:,}(?!,?\d)( bytes)?", totals)
+        if found is None:
+            assert not value and key not in ("num_grows", "reserved_bytes"), (key, totals)
+            continue  # a layer's counter shows once it is not zero
+        shown += 1
+        assert (found[1] is not None) == is_bytes(key), (key, found[0])
+    assert shown >= 12 and stats["replayed_calls"] >= 1 and stats["arena_served_bytes"] > 0
+    assert not re.search(r"calls [\d,]+ bytes|grows [\d,]+ bytes", totals)
 
 
 def test_a_memory_left_by_share_data_leaves_the_accounting_at_once() -> None:

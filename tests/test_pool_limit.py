@@ -10,6 +10,7 @@ import torch
 from conftest import DEVICES
 
 import sharedmem as sm
+from sharedmem._planning.budget import check_budget
 
 MiB = 1 << 20
 
@@ -90,11 +91,24 @@ def test_limit_caps_device_bytes_only_on_two_sided_devices() -> None:
     assert pool.limit == MiB
 
 
-def test_limit_validation() -> None:
-    with pytest.raises(ValueError, match=r"^sharedmem: limit must be >= 0, got -1"):
-        sm.BufferPool(limit=-1)
+def test_a_limit_takes_the_spellings_of_a_budget() -> None:
+    # One spelling of a size wherever one is taken: a pool's limit as a step's budget.
+    assert sm.BufferPool(limit="1G").limit == 1 << 30
     pool = sm.BufferPool()
-    with pytest.raises(TypeError, match=r"^sharedmem: limit must be an integer, got float"):
+    for text, nbytes in [
+        ("8G", 8 << 30),
+        ("512M", 512 << 20),
+        ("64KiB", 64 << 10),
+        ("1_000", 1000),
+    ]:
+        pool.set_limit(text)
+        assert pool.limit == nbytes == check_budget(text, None)
+    pool.set_limit(None)
+    with pytest.raises(ValueError, match=r"^sharedmem: limit must be bytes: an int >= 0 or a "):
+        sm.BufferPool(limit=-1)
+    with pytest.raises(ValueError, match=r"^sharedmem: limit must be bytes: .*'8G'.*got '1.5G'"):
+        pool.set_limit("1.5G")
+    with pytest.raises(TypeError, match=r"^sharedmem: limit must be bytes: .*got 1.5 \(float\)"):
         pool.set_limit(1.5)  # type: ignore[arg-type]
     assert pool.limit is None
 

@@ -3,17 +3,25 @@ model's train step and evaluation, printed before anything runs.
 
 ``--input`` may be given several times: shapes alone are positional arguments (one is the
 model's one argument, several a tuple), ``NAME=SHAPE`` keyword arguments (a dict), and any of
-them may end in ``:DTYPE`` (``input_ids=8x128:int64``), as a step takes its inputs."""
+them may end in ``:DTYPE`` (``input_ids=8x128:int64``), as a step takes its inputs.
+``--arg`` gives the factory its arguments (``torch.nn:Linear --arg 16 --arg 4``).
+
+Every way it can fail before printing (a factory that needs arguments or raises, an input the
+model cannot take, a bad device) ends in one line starting ``sharedmem:`` and exit status 2."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import inspect
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from .._errors import SharedMemError
+from .._validate import check_bytes
 
 __all__ = ["add_estimate_command"]
 
@@ -87,7 +95,86 @@ def _inputs(given: list[Input], dtype: torch.dtype) -> Any:
     return tensors[0] if len(tensors) == 1 else tensors
 
 
-def _factory(text: str) -> Any:
+class Factory(NamedTuple):
+    """The model's factory, as the command line named it (``torch.nn:Linear``)."""
+
+    text: str
+    make: Callable[..., Any]
+
+
+class Argument(NamedTuple):
+    """One ``--arg``: a keyword (``None`` for a positional argument) and its value."""
+
+    name: str | None
+    value: object
+
+
+def _argument(text: str) -> Argument:
+    """``16`` or ``out_features=4``: a Python literal (``16``, ``0.1``, ``True``, ``(3, 3)``),
+    or else the text itself (``activation=gelu``)."""
+    name, sep, rest = text.partition("=")
+    if not (sep and name.isidentifier()):
+        name, rest = "", text
+    try:
+        value: object = ast.literal_eval(rest)
+    except (ValueError, SyntaxError):
+        value = rest
+    return Argument(name or None, value)
+
+
+def _build(factory: Factory, given: list[Argument]) -> torch.nn.Module:
+    """Call the factory with the ``--arg`` values; a call it cannot take, or that fails, says
+    how to give it what it needs."""
+    args = [a.value for a in given if a.name is None]
+    kwargs = {a.name: a.value for a in given if a.name is not None}
+    try:
+        signature: inspect.Signature | None = inspect.signature(factory.make)
+    except (TypeError, ValueError):  # a builtin: its call says
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as error:
+            needed = [
+                p.name
+                for p in signature.parameters.values()
+                if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            ]
+            example = " ".join(f"--arg {name}=VALUE" for name in needed) or "no --arg"
+            raise SharedMemError(
+                f"sharedmem: cannot call {factory.text} with the arguments given ({error}): "
+                f"give them with --arg, in order or as NAME=VALUE ({example}), or name a "
+                "function that builds the model (mypkg.models:make_model)"
+            ) from None
+    try:
+        model = factory.make(*args, **kwargs)
+    except Exception as error:  # the factory's own failure: say whose and why, in one line
+        first = (str(error).splitlines() or [""])[0]
+        raise SharedMemError(
+            f"sharedmem: {factory.text}(...) failed ({type(error).__name__}: {first}); check "
+            "the arguments given with --arg"
+        ) from None
+    if not isinstance(model, torch.nn.Module):
+        raise SharedMemError(
+            f"sharedmem: {factory.text} returned a {type(model).__name__}, not an nn.Module: "
+            "name a class or function that returns the model"
+        )
+    return model
+
+
+def _byte_option(what: str) -> Callable[[str], int]:
+    """An argparse type: bytes spelled as every size is (``2G``, ``512M``, ``1000``)."""
+
+    def parse(text: str) -> int:
+        try:
+            return check_bytes(text, what)
+        except (TypeError, ValueError) as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
+
+
+def _factory(text: str) -> Factory:
     module_name, _, attribute = text.partition(":")
     if not module_name or not attribute:
         raise argparse.ArgumentTypeError(
@@ -106,18 +193,13 @@ def _factory(text: str) -> Any:
         raise argparse.ArgumentTypeError(
             f"sharedmem: {module_name!r} has no callable {attribute!r}"
         )
-    return factory
+    return Factory(text, factory)
 
 
 def _run(args: argparse.Namespace) -> int:
     from .._planning import estimate
 
-    model = args.model()
-    if not isinstance(model, torch.nn.Module):
-        raise SharedMemError(
-            f"sharedmem: {args.model.__name__}() returned a {type(model).__name__}, not an "
-            "nn.Module"
-        )
+    model = _build(args.model, args.arg or [])
     dtype = _DTYPES[args.dtype]
     model = model.to(dtype)
     inputs = _inputs(args.input, dtype)
@@ -132,8 +214,16 @@ def _run(args: argparse.Namespace) -> int:
         est = estimate(
             model, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, device=args.device
         )
-    except (SharedMemError, ValueError, TypeError):
+    except SharedMemError:
         raise
+    except (ValueError, TypeError) as error:
+        if str(error).startswith("sharedmem:"):  # an argument of ours: its message says it
+            raise SharedMemError(str(error)) from None
+        first = (str(error).splitlines() or [""])[0]
+        raise SharedMemError(
+            f"sharedmem: the model cannot take an input of shape {shapes} with the "
+            f"{args.loss} loss ({type(error).__name__}: {first})"
+        ) from None
     except Exception as error:  # the model cannot take this input: say so, not a traceback
         first = (str(error).splitlines() or [""])[0]
         raise SharedMemError(
@@ -176,7 +266,7 @@ def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer | Non
     return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params)
 
 
-def add_estimate_command(commands: Any, count: Any) -> None:
+def add_estimate_command(commands: Any) -> None:
     """Add ``estimate`` to the subcommands ``commands`` (from ``add_subparsers``)."""
     parser: argparse.ArgumentParser = commands.add_parser(
         "estimate",
@@ -188,6 +278,14 @@ def add_estimate_command(commands: Any, count: Any) -> None:
     )
     add = parser.add_argument
     add("model", type=_factory, help="PACKAGE.MODULE:FACTORY, a callable returning the model")
+    add(
+        "--arg",
+        type=_argument,
+        action="append",
+        metavar="VALUE|NAME=VALUE",
+        help="an argument of the factory (a Python literal, or else text); several are "
+        "passed in order: torch.nn:Linear --arg 16 --arg 4",
+    )
     add(
         "--input",
         type=_shape,
@@ -208,14 +306,14 @@ def add_estimate_command(commands: Any, count: Any) -> None:
     add("--dtype", choices=list(_DTYPES), default="float32", help="parameters and input")
     add(
         "--budget",
-        type=count("--budget", 0),
+        type=_byte_option("--budget"),
         default=None,
         help="bytes, e.g. 2G, as a step's budget= counts them (what the step holds beyond "
         "parameters, inputs and optimizer state): exit 1 if the pooled step does not fit",
     )
     add(
         "--memory",
-        type=count("--memory", 0),
+        type=_byte_option("--memory"),
         default=None,
         help="a device's memory in bytes, e.g. 8G: exit 1 if the whole pooled train step "
         "(parameters, inputs and optimizer state included) does not fit",

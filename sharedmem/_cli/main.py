@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(run=_demo)
     add_stress_command(commands)
-    add_estimate_command(commands, _count)
+    add_estimate_command(commands)
 
     bench = commands.add_parser(
         "bench",

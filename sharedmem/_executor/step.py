@@ -13,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .._pool import BufferPool
+from .._validate import check_loss_fn
 from .accumulate import accumulating, obeys_layout, relayout
 from .binding import State
 from .calling import OwnLoss, check_targets
@@ -40,8 +41,7 @@ class PooledTrainStep(Executor):
     ) -> None:
         super().__init__(model, pool, plan, prefix)
         self._trains = True
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"sharedmem: loss_fn must be callable, got {type(loss_fn).__name__}")
+        loss_fn = check_loss_fn(loss_fn)  # callable as loss_fn(output, targets), before tracing
         self.own_loss = loss_fn is None
         self.loss_fn: Callable[[Any, Any], torch.Tensor] = OwnLoss() if loss_fn is None else loss_fn
         self._sync = None if self.ddp is None else GradientSync(self.ddp, pool, self.prefix)

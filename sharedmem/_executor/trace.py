@@ -32,7 +32,8 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from .._errors import SharedMemError
+from .._errors import SharedMemError, quiet_fake_tensor_failures
+from .._validate import call_loss_fn
 from .binding import Binding, Place, State, Swap
 from .calling import call_model, plain_mapping
 from .ops import in_grad_mode
@@ -145,7 +146,7 @@ def trace_train(
         data = flat[n_params + n_buffers :]
         with Swap(binding, [*params, *buffers]) as swap, torch.enable_grad():
             out = call_model(model, inputs.rebuild(data[:n_inputs]))
-            loss = loss_fn(out, targets.rebuild(data[n_inputs:]))
+            loss = call_loss_fn(loss_fn, out, targets.rebuild(data[n_inputs:]))
             found = swap.stored()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"sharedmem: loss_fn must return a tensor, got {type(loss).__name__}")
@@ -166,7 +167,9 @@ def trace_train(
         *inputs.tensors,
         *targets.tensors,
     ]
-    gm = _grad_mode_ops(_trace(joint, flat, f"the train step of {type(model).__name__}", binding))
+    what = f"the train step of {type(model).__name__}"
+    given = f"the inputs ({_shapes(inputs)}) and targets ({_shapes(targets)})"
+    gm = _grad_mode_ops(_trace(joint, flat, what, binding, given))
     return Traced(gm, stored[-1])
 
 
@@ -193,7 +196,8 @@ def trace_forward(model: nn.Module, binding: Binding, state: State, inputs: Leav
         *_detached(state.buffers),
         *inputs.tensors,
     ]
-    gm = _trace(forward, flat, f"the forward of {type(model).__name__}", binding)
+    given = f"the inputs ({_shapes(inputs)})"
+    gm = _trace(forward, flat, f"the forward of {type(model).__name__}", binding, given)
     spec, places = specs[-1]
     return Traced(gm, places, spec)
 
@@ -227,10 +231,10 @@ def _detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _trace(
-    fn: Callable[..., Any], flat: list[torch.Tensor], what: str, binding: Binding
+    fn: Callable[..., Any], flat: list[torch.Tensor], what: str, binding: Binding, given: str
 ) -> GraphModule:
     try:
-        with _LOCK:
+        with _LOCK, quiet_fake_tensor_failures():  # said below in one line, not torch's 25
             # Module attributes that are plain tensors reached only through containers
             # (lists, dicts) are real tensors inside the fake trace: graph constants.
             # Stack traces (a few percent of tracing time) let errors found in the graph name
@@ -264,8 +268,27 @@ def _trace(
             f"traced with fake tensors ({what}{_culprit(e, binding)})"
         ) from e
     except Exception as e:
-        raise SharedMemError(f"sharedmem: could not trace {what}: {_first_line(e)}") from e
+        # An op that refuses its operands (a width the model does not take) fails as it would
+        # in eager: say where, and what was given.
+        fix = ""
+        if type(e) is RuntimeError:
+            fix = f". Eager PyTorch fails there too: check {given} against the model"
+        raise SharedMemError(
+            f"sharedmem: could not trace {what}: {_first_line(e).rstrip('.')}"
+            f"{_culprit(e, binding)}{fix}"
+        ) from e
     return gm
+
+
+def _shapes(leaves: Leaves) -> str:
+    """``'4x8 float32, 4 int64'``: the tensors of a call's arguments, as a message names them."""
+    return (
+        ", ".join(
+            f"{'x'.join(map(str, t.shape)) or 'scalar'} {str(t.dtype).removeprefix('torch.')}"
+            for t in leaves.tensors
+        )
+        or "no tensors"
+    )
 
 
 def _grad_mode_ops(gm: GraphModule) -> GraphModule:

@@ -17,6 +17,7 @@ import torch
 from .._devices import machine_available_bytes
 from .._pool import BufferPool
 from .._pool.report import human_bytes
+from .._validate import SIZE_SPELLING, check_bytes
 
 __all__ = [
     "ChunkNeed",
@@ -56,28 +57,14 @@ class Need(NamedTuple):
         return ", ".join(f"{name} {human_bytes(n)}" for name, n in parts if n)
 
 
-_SCALE = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
 def parse_bytes(value: object, what: str = "budget") -> int:
-    """Bytes from an int >= 0 or a size as the command line writes it: ``"8G"``, ``"512M"``,
-    ``"64K"`` (powers of 1024; a trailing ``B``/``iB`` and ``_`` separators allowed).
+    """Bytes from an int >= 0 or a size such as ``"8G"``: the spelling every size takes
+    (``check_bytes``), a pool's ``limit=`` as well.
 
     >>> parse_bytes("8G"), parse_bytes("1_000"), parse_bytes(4096)
     (8589934592, 1000, 4096)
     """
-    if isinstance(value, str):
-        text = value.strip().lower().replace("_", "").removesuffix("ib").removesuffix("b")
-        scale = _SCALE.get(text[-1:], 1)
-        digits = text[:-1] if scale > 1 else text
-        if digits.isdigit():
-            return int(digits) * scale
-    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise ValueError(
-        f"sharedmem: {what} must be bytes: an int >= 0 or a size such as '8G', '512M' or "
-        f"'64K', got {value!r}"
-    )
+    return check_bytes(value, what)
 
 
 def check_budget(budget: object, chunks: object) -> int | str | None:
@@ -86,10 +73,9 @@ def check_budget(budget: object, chunks: object) -> int | str | None:
     if budget not in (None, FREE):
         try:
             budget = parse_bytes(budget)
-        except ValueError:
+        except (TypeError, ValueError):
             raise ValueError(
-                f"sharedmem: budget must be bytes (an int >= 0 or a size such as '8G') or "
-                f"'free', got {budget!r}"
+                f"sharedmem: budget must be bytes ({SIZE_SPELLING}) or 'free', got {budget!r}"
             ) from None
     if chunks is not None:
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:

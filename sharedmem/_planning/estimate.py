@@ -21,12 +21,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
 from .._backends import backend_names
+from .._errors import quiet_fake_tensor_failures
 from .._executor import PooledForward, PooledTrainStep
 from .._executor.calling import OwnLoss, model_arguments, plain_mapping
 from .._executor.distributed import bucket_bytes, unwrap
 from .._executor.executor import MemoryPlan
 from .._pool import BufferPool
 from .._pool.report import human_bytes
+from .._validate import call_loss_fn, check_loss_fn
 from .budget import parse_bytes
 from .live import LiveBytes, round_for
 
@@ -170,8 +172,7 @@ def estimate(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"sharedmem: loss_fn must be callable, got {type(loss_fn).__name__}")
+    check_loss_fn(loss_fn)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"sharedmem: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -360,7 +361,7 @@ def eager_train(
     result.parameters = _nbytes(iter(named.values()), rounding)
     result.model_inputs = _nbytes(_tensors(inputs), rounding)
     result.inputs = result.model_inputs + _nbytes(_tensors(targets), rounding)
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+    with quiet_fake_tensor_failures(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
         state: dict[str, torch.Tensor] = {k: fake.from_tensor(t) for k, t in named.items()}
         trainable = [state[key] for key, p in model.named_parameters() if p.requires_grad]
         fake_in = pytree.tree_map(_faker(fake), inputs)
@@ -384,7 +385,7 @@ def eager_train(
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 args, kwargs = model_arguments(fake_in)
                 output = functional_call(model, state, args, kwargs)
-                loss = loss_fn(output, fake_targets)
+                loss = call_loss_fn(loss_fn, output, fake_targets)
             if not keep_output:
                 del output
             grads: tuple[torch.Tensor | None, ...] = ()
@@ -409,7 +410,7 @@ def _eager_eval(
 ) -> tuple[int, int]:
     """The peak of what an evaluation forward creates, and its output's bytes."""
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+    with quiet_fake_tensor_failures(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
         state: dict[str, torch.Tensor] = {k: fake.from_tensor(t) for k, t in named.items()}
         fake_in = pytree.tree_map(_faker(fake), inputs)
         live = LiveBytes(rounding, [*state.values(), *_tensors(fake_in)], measure=measure)

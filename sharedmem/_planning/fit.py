@@ -9,6 +9,7 @@ need falls as chunks get smaller); each distinct chunk shape is planned once.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -151,6 +152,15 @@ class Fitted:
         total = self.splitter.examples(inputs, targets)
         if self.fixed is not None:
             chunks = min(self.fixed, total)
+            if chunks < self.fixed and _label(inputs, targets) not in self._counts:
+                # Clamped, not refused: a loader's last batch may be smaller than the rest.
+                warnings.warn(
+                    f"sharedmem: chunks={self.fixed} but the batch holds {total} example"
+                    f"{'' if total == 1 else 's'}, the most chunks it can run in: it runs in "
+                    f"{chunks} chunks of one example (said once per batch shape)",
+                    UserWarning,
+                    stacklevel=3,
+                )
             self._remember(inputs, targets, chunks)
             return chunks
         assert self.budget is not None

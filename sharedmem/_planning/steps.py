@@ -15,6 +15,7 @@ from torch import nn
 
 from .._executor import PooledForward, PooledTrainStep
 from .._pool import BufferPool
+from .._validate import check_loss_fn
 from .budget import check_exact, check_max_slowdown
 from .chunking import Splitter, UserSplit
 from .fit import FitStep, FittedForward, FittedTrainStep
@@ -144,7 +145,8 @@ def pooled_train_step(
             ``"per_node"`` (one buffer per intermediate; for comparison).
         prefix: the pool buffer names' prefix.
         budget: bytes, or ``"free"``: run each batch in the fewest chunks that fit.
-        chunks: run each batch in this many chunks (at most one per example).
+        chunks: run each batch in this many chunks; a batch with fewer examples runs in one
+            chunk per example, with a warning once per batch shape.
         reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over the batch, where it
             does not say (``nn`` losses and ``torch.nn.functional`` losses do); unknown
             callables are taken as means, with a warning.
@@ -232,7 +234,8 @@ def pooled_forward(
             call returns its joined outputs, fresh).
         budget: bytes, or ``"free"``: run each batch in the fewest chunks that fit (as in
             ``pooled_train_step``); the chunks' outputs are joined along ``batch_dim``.
-        chunks: run each batch in this many chunks.
+        chunks: run each batch in this many chunks (one per example at most, as in
+            ``pooled_train_step``).
         batch_dim: the batch dimension of every input and output tensor.
 
     Example::
@@ -277,7 +280,8 @@ def fit_step(
         loss_fn: ``loss_fn(output, targets)`` returns the scalar loss; ``None``: the
             model's own loss (no targets).
         budget: bytes, or ``"free"``.
-        chunks: a fixed number of chunks instead of a budget (for reproducible runs).
+        chunks: a fixed number of chunks instead of a budget (for reproducible runs); a
+            batch with fewer examples runs in one chunk per example, with a warning.
         reduction: ``"mean"`` or ``"sum"``, where ``loss_fn`` does not say.
         batch_dim: the batch dimension of every input and target tensor.
         split: a custom split, as in ``sm.pooled_train_step``.
@@ -294,8 +298,7 @@ def fit_step(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"sharedmem: loss_fn must be callable, got {type(loss_fn).__name__}")
+    check_loss_fn(loss_fn)
     if budget is None and chunks is None:
         raise ValueError("sharedmem: fit_step needs budget=... (bytes or 'free') or chunks=N")
     splitter = Splitter(batch_dim, split)

@@ -16,7 +16,7 @@ from .._synced import SyncedMemory
 from .._validate import check_name, check_nbytes
 from .ledger import Ledger
 from .phases import PhaseBook
-from .report import CORE_KEYS, biggest_buffers, format_report
+from .report import CORE_KEYS, biggest_buffers, format_report, is_bytes
 from .timeline import Sample, Timeline
 
 __all__ = ["PoolFigures", "unique_memories"]
@@ -57,7 +57,7 @@ class PoolFigures:
         self._ledger = ledger
         self._phases = PhaseBook(ledger)
         self._timeline: Timeline | None = None
-        self._counts: dict[str, int] = {}  # named byte counters of layers on top (count())
+        self._counts: dict[str, int] = {}  # named counters of layers on top (count())
         self._lock = threading.Lock()  # guards the counters
         self.record_timeline(timeline)
 
@@ -70,16 +70,18 @@ class PoolFigures:
             most = self._counts.get("unpooled_bytes_per_call", 0)
             self._counts["unpooled_bytes_per_call"] = max(most, nbytes)
 
-    def count(self, key: str, nbytes: int) -> None:
-        """Add ``nbytes`` to the counter ``key`` of ``stats()`` (for layers built on the pool,
-        such as activation offload); the report shows every counter that is not zero."""
+    def count(self, key: str, amount: int) -> None:
+        """Add ``amount`` to the counter ``key`` of ``stats()`` (for layers built on the pool,
+        such as activation offload); the report shows every counter that is not zero, in
+        bytes where its name says ``bytes`` (``offloaded_bytes_total``), as a count otherwise
+        (``replayed_calls``): see ``report.is_bytes``."""
         check_name(key, "counter name")
         if key in CORE_KEYS:
             raise ValueError(
                 f"sharedmem: {key!r} is one of the pool's own figures and cannot be counted "
                 "into; choose another counter name"
             )
-        n = check_nbytes(nbytes)
+        n = check_nbytes(amount, "nbytes" if is_bytes(key) else "a count")
         with self._lock:
             self._counts[key] = self._counts.get(key, 0) + n
 
@@ -92,7 +94,8 @@ class PoolFigures:
         )
 
     def stats(self) -> dict[str, int]:
-        """The pool's figures, all ints (bytes unless named otherwise).
+        """The pool's figures, all ints: bytes where the name says ``bytes``, counts
+        otherwise (``num_buffers``, ``num_grows``, ``replayed_calls``; ``report.is_bytes``).
 
         ``reserved_bytes`` counts unique physical bytes on both sides; ``active_bytes`` is the
         logical size of every buffer that holds memory, capped at what it holds;

@@ -17,7 +17,7 @@ from .._devices import DeviceLike
 from .._errors import SharedMemError
 from .._routing import arena_live_bytes
 from .._synced import SyncedMemory
-from .._validate import ShapeLike, check_dtype, check_name, check_nbytes, check_shape
+from .._validate import ShapeLike, check_bytes, check_dtype, check_name, check_nbytes, check_shape
 from .adaptors import AccountedBackend, LimitedBackend
 from .blocks import StepBlocks
 from .figures import PoolFigures, unique_memories
@@ -110,7 +110,8 @@ class BufferPool:
 
     Args:
         device: ``"cpu"``, ``"emulated"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``.
-        limit: a cap on reserved device bytes (on ``cpu``, on the one memory); ``None``: none.
+        limit: a cap on reserved device bytes (on ``cpu``, on the one memory), as bytes or a
+            size such as ``"8G"`` (the spelling a step's ``budget=`` takes); ``None``: none.
         backend: the device-side allocator by name (see ``sm.backend_names``).
         adaptors: callables that wrap a backend in another (features by composition, such as
             fault injection); applied to both sides, first innermost.
@@ -131,13 +132,13 @@ class BufferPool:
         self,
         device: DeviceLike = "cpu",
         *,
-        limit: int | None = None,
+        limit: int | str | None = None,
         backend: str | None = None,
         adaptors: Sequence[Callable[[Backend], Backend]] = (),
         timeline: bool = False,
     ) -> None:
         self._base = resolve(device, backend)
-        self._limit = None if limit is None else check_nbytes(limit, "limit")
+        self._limit = None if limit is None else check_bytes(limit, "limit")
         self._ledger = Ledger(single=self._base.accel is None)
         self._blobs: dict[str, Blob] = {}
         self._fast: dict[str, _Cached] = {}
@@ -360,9 +361,10 @@ class BufferPool:
         """A table a person reads: every buffer, biggest first, totals last."""
         return self._figures.report()
 
-    def count(self, key: str, nbytes: int) -> None:
-        """Add ``nbytes`` to the counter ``key`` of ``stats()`` (layers built on the pool)."""
-        self._figures.count(key, nbytes)
+    def count(self, key: str, amount: int) -> None:
+        """Add ``amount`` to the counter ``key`` of ``stats()`` (layers built on the pool):
+        bytes where the name says ``bytes``, a count otherwise."""
+        self._figures.count(key, amount)
 
     def count_unpooled(self, nbytes: int) -> None:
         """Record bytes one call of a layer on top had to allocate outside the pool."""
@@ -437,12 +439,13 @@ class BufferPool:
         """The cap on reserved device bytes, or ``None``."""
         return self._limit
 
-    def set_limit(self, nbytes: int | None) -> None:
-        """Set or clear (``None``) the cap on reserved device bytes.
+    def set_limit(self, nbytes: int | str | None) -> None:
+        """Set or clear (``None``) the cap on reserved device bytes: bytes, or a size such as
+        ``"8G"``.
 
         A limit below what is reserved now frees nothing; it refuses further growth.
         """
-        self._limit = None if nbytes is None else check_nbytes(nbytes, "limit")
+        self._limit = None if nbytes is None else check_bytes(nbytes, "limit")
 
     def reserved_after(self, sizes: Mapping[str, int]) -> int:
         """The device bytes this pool would hold at the peak of growing each named buffer to

@@ -8,7 +8,15 @@ from .._blob import Blob
 from .._synced import SyncedMemory
 from .ledger import COUNTERS
 
-__all__ = ["CORE_KEYS", "biggest_buffers", "format_report", "human_bytes"]
+__all__ = [
+    "CORE_KEYS",
+    "biggest_buffers",
+    "figure_label",
+    "figure_text",
+    "format_report",
+    "human_bytes",
+    "is_bytes",
+]
 
 # The keys every pool has; any other counter in stats() is a layer's, shown when not zero.
 CORE_KEYS = frozenset(
@@ -23,6 +31,45 @@ CORE_KEYS = frozenset(
         *COUNTERS,
     }
 )
+
+
+# How the report names the pool's own figures; a layer's counters are named by their key.
+_LABELS = {
+    "reserved_bytes": "reserved",
+    "host_reserved_bytes": "host",
+    "device_reserved_bytes": "device",
+    "peak_reserved_bytes": "peak",
+    "active_bytes": "active",
+    "num_grows": "grows",
+    "grow_copy_bytes": "copied",
+    "host_to_device_bytes": "host->device",
+    "device_to_host_bytes": "device->host",
+}
+
+
+def is_bytes(key: str) -> bool:
+    """Whether the figure ``key`` of ``stats()`` is bytes, rather than a count.
+
+    A figure's unit is written once, in its name: one with the word ``bytes`` counts bytes
+    (``reserved_bytes``, ``arena_served_bytes``, ``offloaded_bytes_total``), any other counts
+    events (``num_buffers``, ``num_grows``, ``recorded_calls``). Layers name their counters
+    so too.
+
+    >>> is_bytes("unpooled_bytes_per_call"), is_bytes("replayed_calls")
+    (True, False)
+    """
+    return "bytes" in key.split("_")
+
+
+def figure_label(key: str) -> str:
+    """The words the report puts before the figure ``key``: ``'recorded calls'``."""
+    return _LABELS.get(key) or " ".join(word for word in key.split("_") if word != "bytes")
+
+
+def figure_text(key: str, value: int) -> str:
+    """The figure ``key`` as the report shows it, with its unit: ``'arena served 960
+    bytes'``, ``'recorded calls 2'``."""
+    return f"{figure_label(key)} {value:,}" + (" bytes" if is_bytes(key) else "")
 
 
 def human_bytes(n: int) -> str:
@@ -107,20 +154,23 @@ def format_report(device: str, blobs: Mapping[str, Blob], stats: Mapping[str, in
     if device == "cpu":  # one memory serves both sides: say so rather than list it twice
         sides = "one memory, host and device alike"
     else:
-        sides = f"host {stats['host_reserved_bytes']:,}, device {stats['device_reserved_bytes']:,}"
+        sides = ", ".join(
+            figure_text(key, stats[key]) for key in ("host_reserved_bytes", "device_reserved_bytes")
+        )
+    totals = ("peak_reserved_bytes", "active_bytes")
     out.append(
-        f"reserved {reserved:,} bytes ({human_bytes(reserved)}: {sides}), "
-        f"peak {stats['peak_reserved_bytes']:,}, active {stats['active_bytes']:,}"
+        f"{figure_text('reserved_bytes', reserved)} ({human_bytes(reserved)}: {sides}), "
+        + ", ".join(figure_text(key, stats[key]) for key in totals)
     )
     out.append(
-        f"grows {stats['num_grows']:,} (copied {stats['grow_copy_bytes']:,} bytes), "
-        f"host->device {stats['host_to_device_bytes']:,} bytes, "
-        f"device->host {stats['device_to_host_bytes']:,} bytes"
+        f"{figure_text('num_grows', stats['num_grows'])} "
+        f"({figure_text('grow_copy_bytes', stats['grow_copy_bytes'])}), "
+        + ", ".join(
+            figure_text(key, stats[key]) for key in ("host_to_device_bytes", "device_to_host_bytes")
+        )
     )
     extra = [
-        f"{key.replace('_bytes', '').replace('_', ' ')} {value:,} bytes"
-        for key, value in stats.items()
-        if key not in CORE_KEYS and value
+        figure_text(key, value) for key, value in stats.items() if key not in CORE_KEYS and value
     ]
     if extra:
         out.append(", ".join(extra))
