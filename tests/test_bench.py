@@ -37,6 +37,7 @@ def printed_row(r: harness.Row) -> re.Pattern[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a whole bench --quick (2 minutes on an idle machine)
 @pytest.mark.parametrize("device", ["cpu", "emulated"])
 def test_bench_quick_prints_every_row_and_the_json_matches(device: str, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
@@ -170,6 +171,7 @@ def test_growth_rows_hold_every_backend_to_one_definition() -> None:
     assert [r["ok"] for r in moving] == [None, None] and moving[1]["ratio"] == 1.5
 
 
+@pytest.mark.slow  # 100 steps of the benchmark's token stream
 def test_variable_shapes_warm_up_is_the_stream_up_to_its_longest_batch() -> None:
     rows = {
         r["name"]: r for r in bench_memory.variable_shapes(True, "cpu", harness.Progress.quiet())
@@ -279,6 +281,7 @@ def test_every_script_shares_one_command_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_pareto_benchmark_measures_every_method_and_draws_them(tmp_path: Path) -> None:
     import bench_pareto
 
