@@ -13,7 +13,9 @@ import datetime
 import gc
 import io
 import json
+import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -24,14 +26,25 @@ from typing import Protocol, TypedDict
 import torch
 
 import sharedmem as sm
+from sharedmem._cli.bench import TIMING_TOLERANCE
+
+# torch.profiler (the peak-memory figures) starts Kineto, whose log prints two "USDT ...
+# profiler_start/stop" lines on stderr per profiled step at any level below 6 (its
+# highest severity is 5): the benchmarks read the profiler's results, never its log. Kineto
+# reads this when the profiler first starts, so setting it before any benchmark runs is enough;
+# set KINETO_LOG_LEVEL yourself to see the log.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 __all__ = [
+    "TIMING_TOLERANCE",
     "Progress",
     "Row",
     "cheapest_empty",
     "environment",
     "growth_rows",
     "interleaved",
+    "is_timing",
+    "missed",
     "print_rows",
     "row",
     "row_cells",
@@ -207,36 +220,99 @@ def interleaved(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def row_cells(r: Row) -> tuple[str, str, str, str, str]:
-    """The printed cells of a row: figure, value, baseline, ratio, target and verdict."""
+_TARGET = re.compile(r"^(<=|>=|==|<|>)\s*(\d[\d,]*(?:\.\d+)?)")
+_COMPARE: dict[str, Callable[[float, float], bool]] = {
+    "<=": lambda a, b: a <= b,
+    "<": lambda a, b: a < b,
+    ">=": lambda a, b: a >= b,
+    ">": lambda a, b: a > b,
+    "==": lambda a, b: a == b,
+}
+
+
+def _bound(r: Row) -> tuple[str, float] | None:
+    """The comparison a target states (``"<= 1.05x eager"`` -> ``("<=", 1.05)``), held against
+    the row's ratio where it has one, else its value; ``None`` for a target said in words."""
+    found = _TARGET.match(r["target"])
+    return None if found is None else (found[1], float(found[2].replace(",", "")))
+
+
+def _measure(r: Row) -> float:
+    return r["value"] if r["ratio"] is None else r["ratio"]
+
+
+def is_timing(r: Row) -> bool:
+    """Whether a row measures speed (a time, a rate, a ratio of times): what noise moves."""
+    return r["unit"] in ("s", "ms", "us") or "/" in r["unit"] or "time" in r["name"].lower()
+
+
+def missed(r: Row, tolerance: float = 0.0) -> bool:
+    """Whether ``r`` missed its target by more than ``tolerance`` (a fraction of its bound,
+    for timing figures only): what ``bench --check`` fails on."""
+    if r["ok"] is not False:
+        return False
+    bound = _bound(r)
+    if bound is None or not is_timing(r) or bound[0] == "==":
+        return True
+    op, limit = bound
+    slack = limit * tolerance if op in ("<=", "<") else -limit * tolerance
+    return not _COMPARE[op](_measure(r), limit + slack)
+
+
+def _digits(r: Row, least: int) -> int | None:
+    """More decimals than ``least`` where the printed figure would contradict its verdict
+    (0.8523 printed as 0.85 beside "<= 0.85x MISSED"); ``None`` where ``least`` will do."""
+    bound = _bound(r)
+    if bound is None or r["ok"] is None:
+        return None
+    op, limit = bound
+    for digits in range(least, 9):
+        if _COMPARE[op](round(_measure(r), digits), limit) == r["ok"]:
+            return None if digits == least else digits
+    return None
+
+
+def row_cells(r: Row, tolerance: float = TIMING_TOLERANCE) -> tuple[str, str, str, str, str]:
+    """The printed cells of a row: figure, value, baseline, ratio, target and verdict (a timing
+    target missed by less than ``tolerance`` says so: ``bench --check`` lets it pass)."""
     value = _fmt(r["value"], r["unit"])
+    if r["ratio"] is None:  # the value is what the target judges
+        value = _fmt(r["value"], r["unit"], _digits(r, _default_digits(r["value"], r["unit"])))
     base = "" if r["baseline"] is None else _fmt(r["baseline"], r["unit"])
-    ratio = "" if r["ratio"] is None else f"{r['ratio']:.3f}"
+    ratio = "" if r["ratio"] is None else f"{r['ratio']:.{_digits(r, 3) or 3}f}"
     verdict = {True: "met", False: "MISSED", None: ""}[r["ok"]]
+    if r["ok"] is False and not missed(r, tolerance):
+        verdict = f"MISSED (within the {tolerance:.0%} timing tolerance)"
     return r["name"], value, base, ratio, f"{r['target']} {verdict}".strip()
 
 
-def print_rows(title: str, rows: Iterable[Row]) -> None:
+def print_rows(title: str, rows: Iterable[Row], tolerance: float = TIMING_TOLERANCE) -> None:
     """A table: figure, value, baseline, ratio, target, verdict."""
     rows = list(rows)
     print(title)
     width = max([len(r["name"]) for r in rows] + [6])
     print(f"  {'figure':<{width}}  {'value':>14}  {'baseline':>14}  {'ratio':>7}  target")
     for r in rows:
-        name, value, base, ratio, target = row_cells(r)
+        name, value, base, ratio, target = row_cells(r, tolerance)
         print(f"  {name:<{width}}  {value:>14}  {base:>14}  {ratio:>7}  {target}".rstrip())
 
 
-def _fmt(value: float, unit: str) -> str:
+def _default_digits(value: float, unit: str) -> int:
+    whole = unit == "bytes" or (unit == "" and float(value).is_integer())
+    return 0 if whole or abs(value) >= 1000 else 2  # large rates read better whole
+
+
+def _fmt(value: float, unit: str, digits: int | None = None) -> str:
+    """``value`` for the table; ``digits`` (decimals) where the verdict needs more."""
     if unit == "s":
         for scale, suffix in ((1e-6, "us"), (1e-3, "ms"), (1.0, "s")):
             if value < scale * 1000:
                 return f"{value / scale:.2f} {suffix}"
-    if unit == "bytes" or (unit == "" and float(value).is_integer()):
+    if digits is None and (unit == "bytes" or (unit == "" and float(value).is_integer())):
         return f"{int(value):,}"
-    if abs(value) >= 1000:  # large rates read better whole
-        return f"{value:,.0f} {unit}".strip()
-    return f"{value:,.2f} {unit}".strip()
+    if digits is None:
+        digits = _default_digits(value, unit)
+    return f"{value:,.{digits}f} {unit}".strip()
 
 
 def _cpu_name() -> str:

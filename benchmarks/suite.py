@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Progress, Row, environment, print_rows
+from harness import Progress, Row, environment, missed, print_rows
 
-__all__ = ["SUITE", "Progress", "environment", "print_rows", "run_suite"]
+__all__ = ["SUITE", "Progress", "environment", "missed", "print_rows", "run_suite"]
 
 # (title, module, which devices: "all" or "cuda")
 SUITE = [

@@ -4,9 +4,12 @@ resets."""
 from __future__ import annotations
 
 import collections
+import gc
 import importlib.util
 import os
 import random
+import signal
+import threading
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -83,10 +86,68 @@ settings.register_profile(
 settings.load_profile("sharedmem")
 
 _SEED = int(os.environ.get("SHAREDMEM_SEED", random.SystemRandom().randrange(2**31)))
+# pytest-xdist's workers are started after this module is loaded, with this environment: every
+# worker draws from the seed the header prints.
+os.environ["SHAREDMEM_SEED"] = str(_SEED)
+# After a test's timeout, this long for it to stop before its worker is ended with every
+# thread's stack (a hang in native code never sees the timeout's exception).
+_TIMEOUT_GRACE_S = 30.0
 
 
 def pytest_report_header() -> str:
     return f"sharedmem: random seed {_SEED} (rerun with SHAREDMEM_SEED={_SEED})"
+
+
+def seed_of(nodeid: str) -> int:
+    """The seed of the test ``nodeid`` in this run: the ``seed`` fixture's value."""
+    return (_SEED + zlib.crc32(nodeid.encode())) % 2**31
+
+
+class TimedOut(BaseException):
+    """A test ran past its timeout. A ``BaseException``, so that neither the code under test
+    nor hypothesis (which would shrink, running the hung test again with no timeout left)
+    takes it for the test's own failure; pytest reports it as the test's failure."""
+
+
+def _timeout_message(item: pytest.Item, seconds: float) -> str:
+    return (
+        f"sharedmem: {item.nodeid} ran past its timeout of {seconds:g} s (its seed "
+        f"{seed_of(item.nodeid)}; rerun with SHAREDMEM_SEED={_SEED}). A test that needs "
+        "longer says so with @pytest.mark.timeout(SECONDS)"
+    )
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout's timer, failing the test with its seed and case: SIGALRM raises
+    ``TimedOut`` in the test; a test still running ``_TIMEOUT_GRACE_S`` later (stuck where
+    Python cannot interrupt it) gets pytest-timeout's own end (every thread's stack, then the
+    process exits; xdist names the test that its worker crashed in, and starts another)."""
+    if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
+        return None  # pytest-timeout's own thread method
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimedOut(_timeout_message(item, settings.timeout))
+
+    def last_resort() -> None:
+        print(_timeout_message(item, settings.timeout) + "; it did not stop: ending the worker")
+        import pytest_timeout
+
+        pytest_timeout.timeout_timer(item, settings)
+
+    backstop = threading.Timer(settings.timeout + _TIMEOUT_GRACE_S, last_resort)
+    backstop.daemon = True
+
+    def cancel() -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        backstop.cancel()
+
+    item.cancel_timeout = cancel  # type: ignore[attr-defined]  # pytest-timeout's cancel calls it
+    signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, settings.timeout)
+    backstop.start()
+    return True
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -103,6 +164,15 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(f"{count:>5}  {reason}")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection loaded (torch, the tracing stack, every test module) stays for the whole
+    run: frozen out of the garbage collector's passes, so that a full collection (the CUDA
+    stand-in's teardown runs two per test) walks the objects of the test that just ran, not
+    the whole process's (a tenth of a second each, hundreds of times)."""
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # One seed drives hypothesis and every hand-written randomized test of the run.
     if config.getoption("hypothesis_seed", None) is None:
@@ -112,7 +182,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def seed(request: pytest.FixtureRequest) -> Iterator[int]:
     """A per-test seed derived from the run's seed; printed when the test fails."""
-    value = (_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**31
+    value = seed_of(request.node.nodeid)
     yield value
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:

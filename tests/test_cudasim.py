@@ -423,6 +423,8 @@ def test_every_plant_still_finds_its_line() -> None:
         plant(each)()  # planted and taken out again; raises when the line is gone
 
 
+@pytest.mark.slow  # a pytest run per planted bug
+@pytest.mark.timeout(900)
 @pytest.mark.skipif(HAS_CUDA, reason="plants bugs on the stand-in only, never on a real GPU")
 def test_every_planted_bug_fails_a_cuda_test(seed: int) -> None:
     # Each run draws its schedules from this test's seed, so a survivor can be run again.

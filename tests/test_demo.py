@@ -15,6 +15,7 @@ from sharedmem._cli import main
 from sharedmem._cli.demo import DemoConfig, demo_verdict, run_demo
 
 
+@pytest.mark.slow  # the whole demo, 40 steps of each part
 @pytest.mark.parametrize("device", ["cpu", "emulated"])
 def test_demo_shares_the_pool_and_learns(device: str, capsys: pytest.CaptureFixture[str]) -> None:
     result = run_demo(DemoConfig(device=device, steps=40, eval_every=20))

@@ -28,6 +28,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sharedmem as sm
 
+# The ranks are spawned once per world size (a module fixture): every test of this file in one
+# pytest-xdist worker, so that they are not spawned again in the other.
+pytestmark = pytest.mark.xdist_group("distributed")
+
 Ranks = dict[int, dict[str, str | None]]  # per rank, per case: None or the traceback
 CASES: dict[str, Callable[[int, int], None]] = {}
 
