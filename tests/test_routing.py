@@ -261,6 +261,115 @@ def test_another_threads_allocations_are_untouched_by_a_step() -> None:
     assert route.last["diverged_at"] == -1
 
 
+def test_two_threads_in_blocks_of_one_name_each_get_their_own_bytes() -> None:
+    # Both threads inside a block of the same name and signature at once, on every call
+    # (the first, recorded, included): a barrier between forward and backward holds each
+    # thread's activations alive while the other computes. Each thread's activations must
+    # keep their values, and its gradients must be eager's bit for bit.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    params = list(model.parameters())
+    pool = sm.BufferPool("cpu")
+    inputs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+
+    def grads(x: torch.Tensor, meet: threading.Barrier | None) -> list[torch.Tensor]:
+        hidden = model[1](model[0](x))
+        copy = hidden.detach().clone()
+        if meet is not None:
+            meet.wait(timeout=60)  # the other thread's block is open now too
+            meet.wait(timeout=60)  # ... and has computed its own activations
+        assert torch.equal(hidden, copy), "another block wrote this block's activations"
+        return list(torch.autograd.grad(model[2](hidden).square().sum(), params))
+
+    expected = [grads(x, None) for x in inputs]
+    meet = threading.Barrier(2)
+    failures: list[BaseException] = []
+    results: list[list[list[torch.Tensor]]] = [[], []]
+
+    def worker(index: int) -> None:
+        x = inputs[index]
+        try:
+            for _ in range(4):
+                with pool.step("train", x.new_empty(x.shape)):  # one signature for both
+                    results[index].append(grads(x, meet))
+        except BaseException as error:  # reported by the main thread
+            failures.append(error)
+            meet.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+    for index in (0, 1):
+        for call, got in enumerate(results[index]):
+            assert all(torch.equal(a, b) for a, b in zip(expected[index], got, strict=True)), (
+                f"thread {index}, call {call}"
+            )
+    stats = pool.stats()
+    assert stats.get("diverged_calls", 0) == 0
+    assert stats["replayed_calls"] >= 4 and stats["arena_served_bytes"] > 0
+    # the second block ran on a lane of the arena, grown to the plan's need
+    assert pool.device_capacity("act.0.lane1") >= pool.device_capacity("act.0") > 0
+
+
+# ---- what a pool keeps ----------------------------------------------------------------------
+
+
+def test_a_pool_keeps_the_plans_of_the_signatures_used_last_and_clears_them() -> None:
+    from sharedmem._pool.blocks import PLAN_CACHE_SIZE
+
+    model = nn.Linear(4, 2)
+    pool = sm.BufferPool("cpu")
+
+    def call(batch: int) -> None:
+        x = torch.ones(batch, 4)
+        with pool.step("train", x):
+            model(x).sum().backward()
+
+    for batch in range(1, PLAN_CACHE_SIZE + 7):  # six more signatures than it keeps
+        call(batch)
+    stats = pool.stats()
+    assert (stats["cached_plans"], stats["evicted_plans"]) == (PLAN_CACHE_SIZE, 6)
+    keys = list(pool._blocks.routes())
+    assert [k[2][2][0][0] for k in (keys[0], keys[-1])] == [7, PLAN_CACHE_SIZE + 6]
+    call(7)  # the least recently used, kept: replayed, and now the most recent
+    assert pool.stats()["replayed_calls"] == 1
+    call(1)  # dropped: recorded anew, and the least recently used (8) goes
+    stats = pool.stats()
+    assert (stats["recorded_calls"], stats["evicted_plans"]) == (PLAN_CACHE_SIZE + 7, 7)
+    assert pool.clear_plans() == PLAN_CACHE_SIZE
+    assert pool.stats()["cached_plans"] == 0
+    call(7)
+    assert pool.stats()["recorded_calls"] == PLAN_CACHE_SIZE + 8
+
+
+# ---- the layers -----------------------------------------------------------------------------
+
+
+def test_routing_imports_nothing_of_the_pool_or_above() -> None:
+    # The pool owns its arenas; routing states what it needs of their host as a protocol.
+    import ast
+    from pathlib import Path
+
+    below = {"_backends", "_devices", "_errors", "_layout", "_validate"}  # the floor
+    folder = Path(sm.__file__).parent / "_routing"
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if node.level != 1 else []
+                if node.level == 0 and not names[0].startswith("sharedmem"):
+                    continue
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("sharedmem")]
+            else:
+                continue
+            for name in names:
+                top = name.removeprefix("sharedmem.").split(".")[0]
+                assert top in below, f"{path.name} imports {name!r}"
+
+
 # ---- the planner ----------------------------------------------------------------------------
 
 

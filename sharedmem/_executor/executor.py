@@ -11,7 +11,6 @@ signature traces, plans and generates code; later calls only look the signature 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -36,10 +35,6 @@ from .recompute import recompute
 from .trace import Leaves, Traced
 
 __all__ = ["Compiled", "Executor", "describe"]
-
-# The arena prefixes each pool has had a graph planned for (and run), however empty the
-# arena that plan left: later graphs are not the first.
-_PLANNED: weakref.WeakKeyDictionary[BufferPool, set[str]] = weakref.WeakKeyDictionary()
 
 
 class MemoryPlan(NamedTuple):
@@ -392,7 +387,7 @@ class Executor:
                 must=must,
                 # what does not fit under the pool's limit runs beside the pool rather than fail
                 ceiling=self.pool.growth_room(arena),
-                establish=self.prefix not in _PLANNED.get(self.pool, ()),
+                establish=self.prefix not in self.pool.arenas.planned,
             )
             offsets = placed.offsets
             names = [arena if o is not None else None for o in offsets]
@@ -469,7 +464,9 @@ class Executor:
 
     def _mark_planned(self) -> None:
         # Graphs planned after this one on the pool grow its arena only to lower their peak.
-        _PLANNED.setdefault(self.pool, set()).add(self.prefix)
+        # (the arena prefixes a pool has had a graph planned for, however empty the arena
+        # that plan left: later graphs are not the first)
+        self.pool.arenas.planned.add(self.prefix)
 
     def slot_names(self) -> list[str]:
         """The pool buffers this executor's plans use: ``prefix`` and a number."""

@@ -1,11 +1,18 @@
 """Eager blocks served from a pool: ``with pool.step("train", x, y): ...`` around any code
 (a user's forward and backward, no tracing) records the block's allocation sequence on its
 first run per signature and serves every later run's allocations from one arena of the pool
-(see ``_routing``). A pool owns one ``StepBlocks`` and delegates ``step()`` to it."""
+(see ``_routing``). A pool owns one ``StepBlocks`` and delegates ``step()`` to it.
+
+The routes (a signature's recording and plan) are kept for the ``PLAN_CACHE_SIZE`` signatures
+used most recently; the least recently used is dropped when another is added, and recorded
+anew if it comes back. A loop that meets a new batch size every call keeps a bounded state.
+"""
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import OrderedDict
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
@@ -18,7 +25,12 @@ from .._validate import check_name
 if TYPE_CHECKING:
     from .pool import BufferPool
 
-__all__ = ["StepBlocks", "signature_of"]
+__all__ = ["PLAN_CACHE_SIZE", "StepBlocks", "signature_of"]
+
+# The most block signatures whose plans and recordings a pool keeps (least recently used
+# dropped): a signature costs about 100 bytes per allocation of its call, so 64 of a step
+# with a thousand allocations keep about 6 MB.
+PLAN_CACHE_SIZE = 64
 
 
 def signature_of(values: tuple[object, ...]) -> tuple[object, ...]:
@@ -42,11 +54,15 @@ def signature_of(values: tuple[object, ...]) -> tuple[object, ...]:
 
 
 class StepBlocks:
-    """The routes of a pool's eager blocks, one per (block name, arena, signature)."""
+    """The routes of a pool's eager blocks, one per (block name, arena, signature), the
+    ``size`` used most recently kept."""
 
-    def __init__(self, pool: BufferPool) -> None:
+    def __init__(self, pool: BufferPool, size: int = PLAN_CACHE_SIZE) -> None:
         self._pool = weakref.ref(pool)
-        self._routes: dict[tuple[object, ...], Route] = {}
+        self._size = size
+        self._routes: OrderedDict[tuple[object, ...], Route] = OrderedDict()
+        self._lock = threading.Lock()  # threads may open blocks of one pool at once
+        self._evicted = 0
 
     def block(
         self, name: str, inputs: tuple[object, ...], arena: str
@@ -59,11 +75,32 @@ class StepBlocks:
             # No router serves this pool's device (or none could be built): as it is.
             return nullcontext()
         key = (name, arena, signature_of(inputs))
-        route = self._routes.get(key)
-        if route is None:
-            route = self._routes[key] = Route(pool, arena, training=torch.is_grad_enabled())
+        with self._lock:
+            route = self._routes.get(key)
+            if route is None:
+                route = self._routes[key] = Route(pool, arena, training=torch.is_grad_enabled())
+                while len(self._routes) > self._size:
+                    self._routes.popitem(last=False)  # a call still in it keeps its own
+                    self._evicted += 1
+            else:
+                self._routes.move_to_end(key)
         return route.scope()
 
     def routes(self) -> dict[tuple[object, ...], Route]:
-        """Every block's route so far (for reports and tests)."""
-        return dict(self._routes)
+        """The blocks' routes kept now, least recently used first (for reports and tests)."""
+        with self._lock:
+            return dict(self._routes)
+
+    def clear(self) -> int:
+        """Drop every kept route (each signature is recorded anew on its next call); returns
+        how many were kept."""
+        with self._lock:
+            dropped = len(self._routes)
+            self._routes.clear()
+        return dropped
+
+    def stats(self) -> dict[str, int]:
+        """``cached_plans``: the signatures kept now; ``evicted_plans``: those dropped as
+        least recently used so far."""
+        with self._lock:
+            return {"cached_plans": len(self._routes), "evicted_plans": self._evicted}

@@ -15,7 +15,7 @@ from .._backends import Backend, Placement, resolve
 from .._blob import Blob
 from .._devices import DeviceLike
 from .._errors import SharedMemError
-from .._routing import arena_live_bytes
+from .._routing import Arenas, arena_live_bytes
 from .._synced import SyncedMemory
 from .._validate import ShapeLike, check_bytes, check_dtype, check_name, check_nbytes, check_shape
 from .adaptors import AccountedBackend, LimitedBackend
@@ -147,6 +147,7 @@ class BufferPool:
         self._protected: dict[str, str] = {}  # names a layer holds (protect()) -> by whom
         self._figures = PoolFigures(self.device, self._blobs, self._ledger, timeline=timeline)
         self._link = _PoolLink(self)
+        self._arenas = Arenas()  # the routing state of this pool's arenas, owned here
         self._blocks = StepBlocks(self)
         host, accel = self._base.host, self._base.accel
         for adapt in adaptors:  # e.g. fault injection, innermost first
@@ -180,6 +181,17 @@ class BufferPool:
     def _device_side(self) -> AccountedBackend:
         # The device's own backend, or the host's on a device with one side (cpu).
         return self._accel if self._accel is not None else self._host
+
+    @property
+    def arenas(self) -> Arenas:
+        """The routing state of this pool's arenas (what steps served from the pool keep
+        between calls); the routing layer's, owned by the pool."""
+        return self._arenas
+
+    def device_capacity(self, name: str) -> int:
+        """The device bytes the buffer ``name`` holds now (0 for a name the pool lacks)."""
+        blob = self._blobs.get(name)
+        return 0 if blob is None else blob.data_memory.device_capacity
 
     def names(self) -> list[str]:
         """The buffer names, in the order they were first asked for."""
@@ -333,8 +345,10 @@ class BufferPool:
 
     def stats(self) -> dict[str, int]:
         """The pool's figures (DESIGN §3): reserved, active and peak bytes, traffic counters,
-        and the counters of layers built on the pool (``count``). See ``PoolFigures.stats``."""
-        return self._figures.stats()
+        the counters of layers built on the pool (``count``; see ``PoolFigures.stats``), and
+        ``cached_plans`` / ``evicted_plans``: the ``step()`` signatures whose plans are kept
+        now, and those dropped as least recently used (see ``step``)."""
+        return self._figures.stats() | self._blocks.stats()
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Attribute growth, peaks and traffic inside the block to the phase ``name``."""
@@ -388,6 +402,17 @@ class BufferPool:
         code without the block. On ``cuda`` pools, and where the router cannot be built, the
         block runs as it is.
 
+        The plans and recordings of the 64 signatures used most recently are kept (least
+        recently used dropped; ``stats()``'s ``cached_plans`` and ``evicted_plans`` count
+        them, ``clear_plans()`` drops them all): a loop that meets a new shape every call
+        keeps a bounded state, and a dropped signature is recorded anew when it comes back.
+
+        Threads may run blocks of one pool at once, of the same name too: each holds the
+        arena while it runs, and a block that finds it held serves from a lane of its own
+        (a buffer named ``"<arena>.lane1"`` and so on, grown to what the plan needs, and
+        kept for the next time two blocks overlap), so no two blocks share a byte and none
+        waits for another, as two eager threads would each allocate their own.
+
         Args:
             name: the block's name ("train", "eval").
             inputs: the block's inputs, for its signature (any nesting of tensors and values).
@@ -403,6 +428,12 @@ class BufferPool:
             ...         model(x).square().sum().backward()
         """
         return self._blocks.block(name, inputs, arena)
+
+    def clear_plans(self) -> int:
+        """Drop the plans and recordings ``step()`` keeps (each signature is recorded anew on
+        its next call); returns how many signatures were kept. The arena's bytes stay: give
+        them back with ``trim()`` or ``release()``."""
+        return self._blocks.clear()
 
     def growth_room(self, name: str) -> int | None:
         """The most device bytes the buffer ``name`` may grow to under the limit (``None``:

@@ -13,25 +13,30 @@ it is neither moved nor an error. Its bytes stay fenced off, exactly as long as 
 lives (the router refuses any later allocation that would overlap them), the pool keeps the
 arena while any such tensor lives (``trim`` and ``release`` leave it alone), and the
 signature is recorded anew so that its next plan knows the value outlives the call.
+
+Threads: a route may be entered by several threads at once. Each call holds the arena buffer
+it serves from for as long as it runs; a call that finds it held serves from a lane of its
+own (``Arenas.lease``: another buffer of the host, grown to the plan's need), so no two calls
+ever hand out the same bytes, and none waits for another. The route's plan changes under a
+lock; each call serves and accounts by the plan it began with.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .._backends import cuda_torch_ops
+from .._errors import OutOfMemoryError
 from .cuda_native import cuda_router
+from .host import ArenaHost
 from .native import loaded, native
 from .plan import Recording, RoutePlan, choose_plan, plan_offsets
-
-if TYPE_CHECKING:
-    from .._pool import BufferPool
 
 __all__ = ["COUNTERS", "Route", "arena_live_bytes", "routes_on"]
 
@@ -46,29 +51,21 @@ COUNTERS = (
 )
 
 
-# The arenas a training step (autograd on) has been planned on: an inference step planned on
-# one of those fits in what it has, so that evaluation after training adds nothing.
-_TRAINED: weakref.WeakKeyDictionary[BufferPool, set[str]] = weakref.WeakKeyDictionary()
-# Where each arena was when a replay last served from it: the router's live allocations are
-# keyed by address.
-_BASES: weakref.WeakKeyDictionary[BufferPool, dict[str, int]] = weakref.WeakKeyDictionary()
-
-
 class Route:
-    """One signature's allocation sequence over the arena ``arena`` of ``pool``.
+    """One signature's allocation sequence over the arena ``arena`` of ``host``.
 
     Args:
-        pool: the pool that holds the arena: a CPU or emulated pool (the CPU router serves
-            its steps), or a CUDA pool once ``install_cuda_router`` ran (the CUDA router, by
-            the step's stream).
-        arena: the arena's buffer name; routes of one pool that share it share its bytes
+        host: what holds the arena (a ``BufferPool``): a CPU or emulated pool (the CPU router
+            serves its steps), or a CUDA pool once ``install_cuda_router`` ran (the CUDA
+            router, by the step's stream).
+        arena: the arena's buffer name; routes of one host that share it share its bytes
             (train and eval, every batch size), each planned from offset 0.
         training: a training step's route (its arena grows to the step's plan); an inference
             route grows the arena only while no training route has been planned on it.
     """
 
-    def __init__(self, pool: BufferPool, arena: str, *, training: bool) -> None:
-        self._pool = pool
+    def __init__(self, host: ArenaHost, arena: str, *, training: bool) -> None:
+        self._host = host
         self._arena = arena
         self.training = training
         self.plan: RoutePlan | None = None
@@ -78,77 +75,126 @@ class Route:
         self.added_bytes = 0  # what planning this route grew the arena by
         self._planned_for = 0  # the arena's capacity the plan was made for
         self._rerecorded = 0  # times a stale plan (outliving allocations that died) was redone
+        self._lock = threading.Lock()  # guards the plan: threads may run one route at once
 
     @contextmanager
     def scope(self) -> Iterator[None]:
         """Serve the block's allocations on this thread: recorded on the first call (and after
         a divergence), replayed from the arena after."""
-        router = _scopes(self._pool)
+        router = _scopes(self._host)
         if router is None or router.active():  # no router, or a step inside a step
             yield
             return
-        if self.plan is None:
-            router.begin_record()
-            completed = False
+        arenas = self._host.arenas
+        lane = arenas.lease(self._arena)
+        try:
+            with self._lock:
+                if (
+                    self.plan is not None
+                    and self.recording is not None
+                    and self._capacity() != self._planned_for
+                ):
+                    # Other routes grew the arena (or it was trimmed) since this plan was
+                    # made: plan the recorded sequence again for the arena as it is now,
+                    # without growing it (the arena grows only when a signature is recorded,
+                    # so steady state is steady).
+                    self._adopt(self.recording, lane, grow=False)
+                plan, native_plan = self.plan, self._native_plan
+            place = None if plan is None else self._place(lane, plan)
+            if plan is None or place is None:
+                router.begin_record()
+                completed = False
+                try:
+                    yield
+                    completed = True
+                finally:
+                    recording = Recording(*router.end_record())
+                if completed:  # a failed call's sequence is not the signature's
+                    self._recorded(recording, lane, beside=plan is not None)
+                return
+            base, size = place
+            held = router.live_bytes(base) if base else 0
+            router.begin_replay(native_plan, base, size)
             try:
                 yield
-                completed = True
             finally:
-                recording = Recording(*router.end_record())
-            self._pool.count("recorded_calls", 1)
-            if completed:  # a failed call's sequence is not the signature's
-                self._adopt(recording)
-            return
-        if self.recording is not None and self._capacity() != self._planned_for:
-            # Other routes grew the arena (or it was trimmed) since this plan was made: plan
-            # the recorded sequence again for the arena as it is now, without growing it
-            # (the arena grows only when a signature is recorded, so steady state is steady).
-            self._adopt(self.recording, grow=False)
-        plan = self.plan
-        assert plan is not None
-        base = size = 0
-        if plan.need:
-            arena = self._pool.tensor(self._arena, (plan.need,), torch.uint8)
-            base, size = arena.data_ptr(), arena.numel()
-            _BASES.setdefault(self._pool, {})[self._arena] = base
-        held = router.live_bytes(base) if base else 0
-        router.begin_replay(self._native_plan, base, size)
-        try:
-            yield
+                counts = router.end_replay()
+                with self._lock:
+                    self._account(counts, held, plan)
         finally:
-            self._account(router.end_replay(), held)
+            arenas.give_back(lane)
+
+    def _place(self, lane: str, plan: RoutePlan) -> tuple[int, int] | None:
+        """The address and size of ``lane`` for a replay of ``plan`` (grown to its need where
+        it is smaller: a lane's first use, a trimmed arena), or ``None`` where it cannot be
+        (the pool's limit, or a moving buffer that holds kept tensors): the call then runs
+        beside the arena."""
+        if not plan.need:
+            return 0, 0
+        host = self._host
+        if (
+            host.device_capacity(lane) < plan.need
+            and not host.stable_address
+            and arena_live_bytes(host, lane)
+        ):
+            return None  # growing would move the bytes kept tensors live in
+        try:
+            view = host.tensor(lane, (plan.need,), torch.uint8)
+        except OutOfMemoryError:
+            return None
+        host.arenas.served_from(lane, view.data_ptr())
+        return view.data_ptr(), view.numel()
+
+    def _recorded(self, recording: Recording, lane: str, *, beside: bool) -> None:
+        """A recorded call ended: its sequence planned (unless another thread planned the
+        signature meanwhile), or where a plan existed but the call ran beside the arena
+        (``beside``), its dying bytes counted as served by PyTorch."""
+        host = self._host
+        if beside:
+            dying = recording.total_bytes - recording.outliving_bytes
+            host.count("arena_fallback_bytes", dying)
+            host.count_unpooled(dying)
+            return
+        host.count("recorded_calls", 1)
+        with self._lock:
+            if self.plan is None:
+                self._adopt(recording, lane)
 
     def unalias(self, tensors: list[torch.Tensor], first: int) -> list[torch.Tensor]:
         """``tensors`` with those from ``first`` on that view the arena's bytes (a pool view an
         earlier step returned, fed back in) copied out first: the step's own allocations may
         be placed over them."""
-        base = _BASES.get(self._pool, {}).get(self._arena)
-        if base is None or self._arena not in self._pool:
+        spans = [
+            (base, base + self._host.device_capacity(name))
+            for name, base in self._host.arenas.lanes(self._arena)
+            if name in self._host
+        ]
+        if not spans:
             return tensors
-        top = base + self._pool.blob(self._arena).data_memory.device_capacity
         out = tensors
         for i in range(first, len(tensors)):
             t = tensors[i]
             start = t.untyped_storage().data_ptr()
-            if base <= start < top or start <= base < start + t.untyped_storage().nbytes():
+            end = start + t.untyped_storage().nbytes()
+            if any(base <= start < top or start <= base < end for base, top in spans):
                 if out is tensors:
                     out = list(tensors)
                 out[i] = t.clone()
         return out
 
-    def _adopt(self, recording: Recording, *, grow: bool = True) -> None:
-        # Outside any scope: growing the arena is the pool's own allocation.
-        from .._errors import OutOfMemoryError
-
+    def _adopt(self, recording: Recording, lane: str, *, grow: bool = True) -> None:
+        # Outside any scope: growing the arena is the pool's own allocation. Only the call
+        # that holds the arena grows it; one on another lane grows that lane as it replays.
+        host = self._host
         before = self._capacity()
         ceiling = self._ceiling() if grow else before
         plan = choose_plan(
-            recording, capacity=before, granularity=self._pool.granularity, ceiling=ceiling
+            recording, capacity=before, granularity=host.granularity, ceiling=ceiling
         )
-        if plan.need:
+        if plan.need > before and lane == self._arena:
             try:
-                view = self._pool.tensor(self._arena, (plan.need,), torch.uint8)
-                _BASES.setdefault(self._pool, {})[self._arena] = view.data_ptr()
+                view = host.tensor(self._arena, (plan.need,), torch.uint8)
+                host.arenas.served_from(self._arena, view.data_ptr())
             except OutOfMemoryError:  # the limit's arithmetic was off: keep to what is there
                 plan = plan_offsets(recording, ceiling=self._capacity())
         self.recording = recording
@@ -160,41 +206,41 @@ class Route:
             o if o >= 0 else (-1 if f < 0 else -2)
             for o, f in zip(plan.offsets, recording.free_at, strict=True)
         ]
-        module = _module(self._pool)
+        module = _module(host)
         assert module is not None, "a route is planned only where a router runs"
         self._native_plan = module.Plan(list(recording.sizes), offsets)
 
     def _capacity(self) -> int:
-        if self._arena not in self._pool:
-            return 0
-        return self._pool.blob(self._arena).data_memory.device_capacity
+        return self._host.device_capacity(self._arena)
 
     def _ceiling(self) -> int | None:
+        host = self._host
         capacity = self._capacity()
-        room = self._pool.growth_room(self._arena)
-        trained = _TRAINED.setdefault(self._pool, set())
+        room = host.growth_room(self._arena)
+        trained = host.arenas.trained
         if self.training:
             trained.add(self._arena)
         elif self._arena in trained:
             return capacity  # evaluation after training: what the training steps made
-        if capacity and not self._pool.stable_address and arena_live_bytes(self._pool, self._arena):
+        if capacity and not host.stable_address and arena_live_bytes(host, self._arena):
             return capacity  # escaped tensors live in it: a moving growth would strand them
         return room
 
-    def _account(self, counts: dict[str, int], held: int) -> None:
+    def _account(self, counts: dict[str, int], held: int, plan: RoutePlan) -> None:
+        """A replay of ``plan`` ended with the router's ``counts`` (the caller holds the
+        lock); ``held``: the arena's live bytes when it began."""
         self.last = counts
-        pool = self._pool
-        pool.count("replayed_calls", 1)
-        pool.count("arena_served_bytes", counts["served_bytes"])
-        assert self.plan is not None
-        beside = counts["fell_back_bytes"] + self.plan.beside_bytes
-        pool.count("arena_fallback_bytes", beside)
-        pool.count_unpooled(beside)
+        host = self._host
+        host.count("replayed_calls", 1)
+        host.count("arena_served_bytes", counts["served_bytes"])
+        beside = counts["fell_back_bytes"] + plan.beside_bytes
+        host.count("arena_fallback_bytes", beside)
+        host.count_unpooled(beside)
         escaped = counts["live_bytes"] - held
         if counts["diverged_at"] >= 0:
-            pool.count("diverged_calls", 1)
+            host.count("diverged_calls", 1)
         if escaped > 0:
-            pool.count("arena_escaped_bytes", escaped)
+            host.count("arena_escaped_bytes", escaped)
             warnings.warn(
                 f"sharedmem: {escaped:,} bytes of a step's arena were still referenced when the "
                 "step ended (a hook or a list kept a tensor of the step): they stay fenced off "
@@ -210,8 +256,8 @@ class Route:
         stale = counts["planned_out_freed_bytes"] > 0 and self._rerecorded < 3
         if stale:
             self._rerecorded += 1
-        if counts["diverged_at"] >= 0 or escaped > 0 or stale:
-            self.plan = None  # recorded anew on the next call
+        if (counts["diverged_at"] >= 0 or escaped > 0 or stale) and self.plan is plan:
+            self.plan = None  # recorded anew on the next call (unless another call replanned)
 
     def describe(self) -> str:
         """One line on the plan: what is served from the arena, against max-live."""
@@ -237,34 +283,34 @@ def _kept(recording: Recording) -> str:
     )
 
 
-def arena_live_bytes(pool: BufferPool, name: str) -> int:
-    """Bytes of routed allocations alive now in the buffer ``name`` of ``pool`` (0 where the
+def arena_live_bytes(host: ArenaHost, name: str) -> int:
+    """Bytes of routed allocations alive now in the buffer ``name`` of ``host`` (0 where the
     router never served from it): a buffer holding any must not move or be freed."""
-    router = _module(pool, build=False)
-    base = _BASES.get(pool, {}).get(name)
+    router = _module(host, build=False)
+    base = host.arenas.base(name)
     if router is None or base is None:
         return 0
     return int(router.live_bytes(base))
 
 
-def routes_on(pool: BufferPool) -> bool:
+def routes_on(pool: ArenaHost) -> bool:
     """Whether a router serves steps on ``pool``: the CPU router on a CPU or emulated pool
     (built at first use), the CUDA router on a CUDA pool once it was installed."""
     return _module(pool) is not None
 
 
-def _module(pool: BufferPool, *, build: bool = True) -> Any | None:
+def _module(pool: ArenaHost, *, build: bool = True) -> Any | None:
     """The router module of ``pool``'s device (``build=False``: only if loaded already)."""
     if _on_cuda(pool):
         return cuda_router()
     return native() if build else loaded()
 
 
-def _on_cuda(pool: BufferPool) -> bool:
+def _on_cuda(pool: ArenaHost) -> bool:
     return pool.device.startswith("cuda")
 
 
-def _scopes(pool: BufferPool) -> Any | None:
+def _scopes(pool: ArenaHost) -> Any | None:
     """The scopes a step of ``pool`` opens: the CPU router's, one per thread; the CUDA
     router's, one per stream (the device's current stream when the step begins)."""
     module = _module(pool)

@@ -254,10 +254,11 @@ class State {
         return arena;
       }
     }
-    // Arenas that moved away and hold nothing alive are forgotten.
+    // Arenas that moved away, hold nothing alive and serve no open scope are forgotten (an
+    // open scope's arena must stay findable: its allocations' frees look it up here).
     std::vector<std::shared_ptr<Arena>> kept;
     for (auto& arena : arenas_) {
-      if (!arena->live.empty()) kept.push_back(arena);
+      if (!arena->live.empty() || arena.use_count() > 1) kept.push_back(arena);
     }
     auto arena = std::make_shared<Arena>();
     arena->base = base;

@@ -1,0 +1,126 @@
+"""What routing needs of the object that owns its arenas (a ``BufferPool``), and the routing
+state that object keeps for it.
+
+Routing imports nothing of the pool: ``ArenaHost`` says what a route calls on its host, and
+``Arenas`` is the state routing keeps per host, created and owned by the host (one per pool),
+so that no table keyed by pool lives in a module.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import torch
+
+__all__ = ["ArenaHost", "Arenas", "lane_name"]
+
+
+class Arenas:
+    """One host's routing state: which arenas a training step was planned on, where each
+    arena buffer was when a call last served from it, the arena prefixes a traced graph was
+    planned for, and which arena buffers an open step holds.
+
+    A step holds its arena buffer for as long as it runs. A second step that wants the same
+    arena while the first runs (another thread) gets a lane of its own: a buffer named
+    ``lane_name(arena, k)``, grown to what the plan needs, so that two steps never hand out
+    the same bytes and neither waits for the other (as two eager threads would each allocate
+    their own activations).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.trained: set[str] = set()  # arenas a training route was planned on
+        self.planned: set[str] = set()  # arena prefixes a traced graph was planned for
+        self._bases: dict[str, int] = {}  # arena buffer -> its address when last served
+        self._held: set[str] = set()  # arena buffers an open step serves from
+
+    def lease(self, arena: str) -> str:
+        """The buffer a step opening now serves from: ``arena`` itself, or where another
+        step holds it, the first lane no step holds. Give it back with ``give_back``."""
+        with self._lock:
+            lane, k = arena, 0
+            while lane in self._held:
+                k += 1
+                lane = lane_name(arena, k)
+            self._held.add(lane)
+            return lane
+
+    def give_back(self, lane: str) -> None:
+        """The step that leased ``lane`` has ended."""
+        with self._lock:
+            self._held.discard(lane)
+
+    def served_from(self, name: str, base: int) -> None:
+        """A call serves from the buffer ``name``, now at ``base`` (the router's live
+        allocations are keyed by address)."""
+        with self._lock:
+            self._bases[name] = base
+
+    def base(self, name: str) -> int | None:
+        """Where the buffer ``name`` was when a call last served from it (``None``: never)."""
+        return self._bases.get(name)
+
+    def lanes(self, arena: str) -> list[tuple[str, int]]:
+        """``(buffer, base)`` of ``arena`` and each of its lanes that a call served from."""
+        prefix = lane_name(arena, 0)[:-1]
+        with self._lock:
+            return [
+                (name, base)
+                for name, base in self._bases.items()
+                if name == arena or (name.startswith(prefix) and name[len(prefix) :].isdigit())
+            ]
+
+
+def lane_name(arena: str, k: int) -> str:
+    """The buffer of ``arena``'s ``k``-th lane (``k >= 1``): what a step running while
+    another holds ``arena`` serves from."""
+    return f"{arena}.lane{k}"
+
+
+class ArenaHost(Protocol):
+    """What a route needs of the object that owns its arenas (``BufferPool`` is one)."""
+
+    @property
+    def device(self) -> str:
+        """The device string (``"cpu"``, ``"cuda:0"``...)."""
+        ...
+
+    @property
+    def granularity(self) -> int:
+        """Buffer capacities are whole multiples of this many bytes."""
+        ...
+
+    @property
+    def stable_address(self) -> bool:
+        """Whether a buffer keeps its address when it grows."""
+        ...
+
+    @property
+    def arenas(self) -> Arenas:
+        """The routing state this host keeps for its arenas (one ``Arenas``, its own)."""
+        ...
+
+    def __contains__(self, name: object) -> bool:
+        """Whether a buffer ``name`` exists."""
+        ...
+
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The buffer ``name``'s device-side view, grown to ``shape`` if it is smaller."""
+        ...
+
+    def device_capacity(self, name: str) -> int:
+        """The device bytes the buffer ``name`` holds (0 for a name it does not have)."""
+        ...
+
+    def growth_room(self, name: str) -> int | None:
+        """The most device bytes ``name`` may grow to (``None``: no limit)."""
+        ...
+
+    def count(self, key: str, nbytes: int) -> None:
+        """Add to the counter ``key`` of the host's figures."""
+        ...
+
+    def count_unpooled(self, nbytes: int) -> None:
+        """Record bytes one call allocated beside the host's buffers."""
+        ...
