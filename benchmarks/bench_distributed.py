@@ -21,6 +21,8 @@ Target (DESIGN §7): pooled DDP step time <= 1.05x eager DDP on 2 CPU ranks.
 
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 import os
 import socket
@@ -108,12 +110,17 @@ def _measure(rank: int, name: str, quick: bool) -> dict[str, float]:
 
 def _rank_main(rank: int, port: int, quick: bool, out: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    # As the distributed demo: torch._dynamo (which DDP imports) imported before the group, so
+    # that nothing keeps the group past destroy_process_group, which then joins its threads
+    # (a gloo thread left for the interpreter's exit may abort the rank).
+    importlib.import_module("torch._dynamo")
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(minutes=5))
     torch.set_num_threads(1)
     try:
         figures = {name: _measure(rank, name, quick) for name in MODELS}
         Path(out, f"rank{rank}.json").write_text(json.dumps(figures))
     finally:
+        gc.collect()  # the DDP wrappers' cycles, which hold the group
         dist.destroy_process_group()
 
 

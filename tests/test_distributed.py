@@ -9,6 +9,8 @@ averaged, or averaged in another order, differs from eager DDP's.
 from __future__ import annotations
 
 import copy
+import gc
+import importlib
 import json
 import os
 import re
@@ -264,8 +266,11 @@ def refuses_what_it_cannot_honour(rank: int, world: int) -> None:
         "communication hook": lambda: hooked,
     }
     for what, make in wrappers.items():
-        with pytest.raises(TypeError, match="^sharedmem: .*" + re.escape(what)):
+        with pytest.raises(TypeError, match="^sharedmem: .*" + re.escape(what)) as refused:
             sm.pooled_train_step(make(), nn.functional.mse_loss, pool=sm.BufferPool())
+        # Each names a way in: FSDP2 the eager step inside pool.step (tested below).
+        way = "pool.step(" if what == "fully_shard" else "DistributedDataParallel"
+        assert way in str(refused.value), str(refused.value)
 
 
 def _grads_with_and_without_offload(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -311,8 +316,57 @@ def save_on_pool_keeps_gradients(rank: int, world: int) -> None:
     _grads_with_and_without_offload(model, x)
 
 
+def _fsdp2_mlp(mesh: object, reshard: bool) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)  # type: ignore[arg-type]
+    return model
+
+
+@case
+def pool_step_around_eager_fsdp2_matches_it(rank: int, world: int) -> None:
+    # A pooled step refuses FSDP2; the way in today is the eager step inside pool.step(), which
+    # serves the step's allocations (FSDP2's all-gathers and reduce-scatters included) from the
+    # pool's arena: the same losses and gradients as eager FSDP2, bit for bit.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    for reshard in (True, False):
+        torch.manual_seed(0)
+        eager = _fsdp2_mlp(mesh, reshard)
+        torch.manual_seed(0)
+        pooled = _fsdp2_mlp(mesh, reshard)
+        pool = sm.BufferPool("cpu")
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, pooled)]
+        for i in range(4):
+            x, y = _batch(eager, rank, i)
+            for opt in opts:
+                opt.zero_grad()
+            expected = nn.functional.mse_loss(eager(x), y)
+            expected.backward()
+            with pool.step("train", x, y):
+                loss = nn.functional.mse_loss(pooled(x), y)
+                loss.backward()
+            when = f"reshard_after_forward={reshard} step {i}"
+            assert torch.equal(loss.detach(), expected.detach()), f"{when}: the loss differs"
+            for (name, a), b in zip(eager.named_parameters(), pooled.parameters(), strict=True):
+                assert torch.equal(_full(a.grad), _full(b.grad)), f"{when}: {name}.grad differs"
+            for opt in opts:
+                opt.step()
+        if sm._routing.native() is not None:  # the router was built: the arena served the steps
+            (route,) = pool._blocks.routes().values()
+            assert route.last["served"] > 0 and route.last["diverged_at"] == -1, route.last
+
+
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    # As the distributed demo: nothing keeps the group past destroy_process_group, which then
+    # joins its threads (a gloo thread left for the interpreter's exit may abort the rank).
+    importlib.import_module("torch._dynamo")
     # A failing rank must not leave the others waiting for ever in a collective.
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
@@ -327,6 +381,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
             dist.barrier()
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -382,7 +437,36 @@ def test_wrappers_it_cannot_honour_are_refused(ranks: Ranks) -> None:
     _check(ranks, "refuses_what_it_cannot_honour")
 
 
+def test_pool_step_around_eager_fsdp2_gives_its_gradients(ranks: Ranks) -> None:
+    _check(ranks, "pool_step_around_eager_fsdp2_matches_it")
+
+
 def test_save_on_pool_under_ddp_and_fsdp2_keeps_gradients(
     ranks: Ranks,
 ) -> None:
     _check(ranks, "save_on_pool_keeps_gradients")
+
+
+def _demo_rank(rank: int, world: int, port: int, out: str) -> None:
+    from sharedmem._cli.demo_data import DemoConfig
+    from sharedmem._cli.demo_distributed import run_distributed_demo
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
+    os.environ.update(env, WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    config = DemoConfig(steps=2, train_batch=16, eval_batch=8, features=16, hidden=32)
+    status = run_distributed_demo(config)
+    threads = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"status": status, "threads": threads}))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads from /proc")
+def test_distributed_demo_joins_the_groups_threads_before_it_returns(tmp_path: Path) -> None:
+    # A gloo worker that frees the last reference to a tensor Python let go of takes the GIL;
+    # doing so while the interpreter exits, it is ended inside a C++ destructor and the process
+    # aborts ("terminate called without an active exception"). The demo destroys its group
+    # for real before it returns: no gloo thread is left for the interpreter's exit.
+    mp.spawn(_demo_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        assert got["status"] == 0
+        assert not [name for name in got["threads"] if "gloo" in name], got["threads"]

@@ -5,10 +5,17 @@ step whose activations and gradient buckets live in that rank's own pool (on ``c
 or ``cpu``), and evaluates it with a pooled forward on the same pool. The same model trained
 eagerly with DDP beside it gives the reference losses. Rank 0 prints each rank's memory and
 the total; every rank must add 0 bytes for evaluation.
+
+The run ends with the process group destroyed for real, its gloo worker threads joined, before
+the interpreter exits: a worker that frees the last reference to a tensor Python let go of takes
+the GIL to do it, and one that does so while the interpreter finalizes is ended by Python inside
+a C++ destructor, which aborts the process ("terminate called without an active exception").
 """
 
 from __future__ import annotations
 
+import gc
+import importlib
 import math
 import os
 import sys
@@ -61,6 +68,11 @@ def _init(config: DemoConfig) -> tuple[int, int, str]:
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else config.device
     if cuda:
         torch.cuda.set_device(torch.device(device))
+    # DDP's constructor imports torch._dynamo, which imports torch.distributed.nn.functional,
+    # whose functions take ``group=group.WORLD`` as a default: imported after the group exists,
+    # they keep it alive past destroy_process_group, until the interpreter's last collection.
+    # Imported first, they keep nothing.
+    importlib.import_module("torch._dynamo")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
@@ -71,6 +83,23 @@ def run_distributed_demo(config: DemoConfig) -> int:
     0, or 1 when a loss is not finite, the pooled losses differ from eager DDP's, or an
     evaluation at a batch no larger than training's added bytes on some rank."""
     rank, world, device = _init(config)
+    failure = _train(config, rank, world, device)
+    # Every object that held the group (the DDP wrappers, the pooled step's gradient sync) is
+    # gone with _train's frame, once their reference cycles are collected: destroying the group
+    # then drops its last reference, and its worker threads are joined here, while the
+    # interpreter is whole, not while it exits.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    if failure is not None:
+        if rank == 0:
+            print(f"sharedmem: demo failed: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _train(config: DemoConfig, rank: int, world: int, device: str) -> str | None:
+    """The demo's run on this rank; returns what failed (``None``: nothing)."""
     model_device = "cpu" if device == "emulated" else device
     torch.manual_seed(config.seed)  # the same initial weights everywhere (DDP broadcasts them)
     pooled_model = _mlp(config).to(model_device)
@@ -131,13 +160,7 @@ def run_distributed_demo(config: DemoConfig) -> int:
     fits = config.eval_batch <= config.train_batch  # a bigger eval batch may well grow the pool
     if failure is None and fits and any(f.eval_added for f in figures):
         failure = "evaluation added bytes on a rank"
-    dist.barrier()
-    dist.destroy_process_group()
-    if failure is not None:
-        if rank == 0:
-            print(f"sharedmem: demo failed: {failure}", file=sys.stderr)
-        return 1
-    return 0
+    return failure
 
 
 def _mean(value: torch.Tensor) -> float:
