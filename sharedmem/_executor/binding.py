@@ -28,10 +28,12 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from .._errors import SharedMemError
+from .guards import holds_fake
 
 __all__ = ["Binding", "Place", "State", "Swap"]
 
 _PARAMS, _BUFFERS, _ATTRS = "_parameters", "_buffers", "__dict__"
+_STRUCTURE = frozenset({_PARAMS, _BUFFERS, "_modules"})
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,28 @@ class Swap:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        # A call that returned keeps the plain values it set on the modules (a counter, a
+        # cached length), as eager does; the guard then sees them change (``guards``).
+        set_plain = self._set_plain() if kind is None else []
+        kept = [
+            (entries, attr, value) for entries, attr, value in set_plain if not holds_fake(value)
+        ]
         self._restore()
+        for entries, attr, value in kept:
+            entries[attr] = value
+
+    def _set_plain(self) -> list[tuple[dict[str, Any], str, object]]:
+        """The non-tensor attributes the call set on the modules since entering."""
+        found = []
+        for _, module, placed in self._placed:
+            entries = vars(module)
+            before = placed[_ATTRS]
+            for attr, value in entries.items():
+                if attr in _STRUCTURE or isinstance(value, torch.Tensor):
+                    continue
+                if attr not in before or before[attr] is not value:
+                    found.append((entries, attr, value))
+        return found
 
     def stored(self) -> list[tuple[Place, torch.Tensor]]:
         """The tensors stored on the modules since entering, by place.
@@ -238,6 +261,16 @@ class Swap:
                             "create parameters before the first call"
                         )
                     found.append((place, value))
+        inputs = frozenset(map(id, self._tensors))
+        for _, attr, value in self._set_plain():
+            # A list of the placed tensors (an RNN's flat weights) is put back as it was.
+            if holds_fake(value, inputs):
+                raise SharedMemError(
+                    f"sharedmem: the model's forward stores tensors it computed in {attr!r} "
+                    f"(a {type(value).__name__}), where a pooled step could only leave traced "
+                    "tensors with no values; store them as tensor attributes or buffers "
+                    "(written back after every call), or return them from the forward"
+                )
         return found
 
     def _restore(self) -> None:
