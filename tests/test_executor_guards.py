@@ -183,6 +183,46 @@ def test_a_loss_weight_from_a_closure_is_seen_and_counted() -> None:
     assert step.capture.recaptures == 1
 
 
+def test_an_attribute_of_a_loss_module_is_seen() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    loss_fn = nn.CrossEntropyLoss()
+    step = sm.pooled_train_step(model, loss_fn, pool=sm.BufferPool("cpu"))
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    step(x, y)
+    loss_fn.label_smoothing = 0.2
+    assert torch.equal(step(x, y), loss_fn(model(x), y).detach())
+
+
+def test_switching_train_and_eval_keeps_both_graphs() -> None:
+    model = Net()
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(model, nn.functional.mse_loss, pool=pool)
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    for _ in range(2):
+        model.train()
+        step(x, y)
+        model.eval()
+        step(x, y)
+    assert pool.stats()["recaptures"] == 0  # the training flags are part of the signature
+
+
+def test_autocast_on_and_off_gives_eagers_result() -> None:
+    torch.manual_seed(0)
+    pooled = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    eager = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    eager.load_state_dict(pooled.state_dict())
+    step = sm.pooled_train_step(pooled, nn.functional.mse_loss, pool=sm.BufferPool("cpu"))
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    for autocast in (False, True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got = step(x, y)
+            want = _eager_step(eager, nn.functional.mse_loss, x, y)
+        assert torch.equal(got, want), autocast
+        for p, q in zip(pooled.parameters(), eager.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), autocast  # type: ignore[arg-type]
+
+
 def test_the_forward_of_pooled_forward_sees_changes_too() -> None:
     torch.manual_seed(0)
     model = Net().eval()
@@ -250,7 +290,7 @@ def test_a_hook_that_stores_and_returns_is_refused_naming_where() -> None:
 
     model[0].register_forward_hook(keep)
     step = sm.pooled_train_step(model, nn.functional.mse_loss, pool=sm.BufferPool("cpu"))
-    with pytest.raises(sm.SharedMemError, match="closure variable 'acts'.*fake tensor"):
+    with pytest.raises(sm.SharedMemError, match=r"closure variable 'acts'.*fake tensor"):
         step(torch.randn(3, 4), torch.randn(3, 1))
     assert acts == {}
 

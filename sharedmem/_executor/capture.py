@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import signal
 import threading
 import warnings
@@ -121,7 +122,6 @@ class Capture:
         if leak is not None:
             what, take_out = leak
             take_out()
-            self._guard = None  # the step is refused: the next call captures afresh
             raise SharedMemError(
                 f"sharedmem: {what} was given a tensor the trace computed (a fake tensor, "
                 "with no values): a pooled step replays a traced graph, so code that stores "
@@ -130,7 +130,6 @@ class Capture:
                 + _FIX.replace("it", "that code", 1)
             )
         if idle:
-            self._guard = None
             raise SharedMemError(
                 f"sharedmem: {idle[0]} returns nothing and adds nothing to the step, so it "
                 "is there for what it does beside it (storing, printing or counting what it "
@@ -180,11 +179,10 @@ def _interrupts_held() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if received:
-            if callable(previous):
-                previous(signal.SIGINT, None)
-            else:
-                raise KeyboardInterrupt
+        if received and callable(previous):
+            previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
+        elif received and previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 @contextmanager

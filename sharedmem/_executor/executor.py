@@ -6,6 +6,8 @@ its tensors live), the training flag of every submodule, the parameters', buffer
 tensor attributes' shapes, dtypes, devices and ``requires_grad``, and the modes that change
 which ops a trace records (autocast and its dtype, the default dtype). The first call of a
 signature traces, plans and generates code; later calls only look the signature up and run.
+Python values a trace read besides (attributes, hooks, closures, globals) are guarded
+(``capture``, ``guards``): when one changes, every graph is dropped and traced again.
 """
 
 from __future__ import annotations

@@ -35,9 +35,12 @@ from torch.nn.modules import module as _module
 
 __all__ = ["HOOK_DICTS", "Guard", "holds_fake", "user_code"]
 
-# Entries of a module's ``__dict__`` that no forward reads (or that ``binding`` watches).
+# Entries of a module's ``__dict__`` that no forward reads, or that are part of a call's
+# signature already (``binding``: the structure, and the training flags, so that switching
+# between train and eval keeps both graphs).
 _SKIPPED = frozenset(
     {
+        "training",
         "_parameters",
         "_buffers",
         "_modules",
