@@ -183,6 +183,29 @@ def test_a_loss_weight_from_a_closure_is_seen_and_counted() -> None:
     assert step.capture.recaptures == 1
 
 
+def test_a_bound_method_loss_is_guarded_on_the_attributes_it_reads() -> None:
+    class Trainer:
+        def __init__(self) -> None:
+            self.kl_weight = 1.0
+            self.steps = 0  # changes every step; the loss never reads it
+
+        def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.kl_weight * nn.functional.mse_loss(out, y)
+
+    trainer = Trainer()
+    model = nn.Linear(4, 2)
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(model, trainer.loss, pool=pool)
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+    for _ in range(3):
+        step(x, y)
+        trainer.steps += 1
+    assert pool.stats()["recaptures"] == 0
+    trainer.kl_weight = 0.25
+    assert torch.equal(step(x, y), trainer.loss(model(x), y).detach())
+    assert pool.stats()["recaptures"] == 1
+
+
 def test_an_attribute_of_a_loss_module_is_seen() -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 3)

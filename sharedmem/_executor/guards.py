@@ -168,6 +168,7 @@ class Guard:
         self._watched: list[_Watch] = []
         self._taken: list[object] = []  # each watched value as the snapshot found it
         self._seen: set[int] = set()
+        self._keys: set[tuple[int, str]] = set()  # plain objects' attributes watched
         self.hooks: list[tuple[str, object]] = []  # every module hook, named
         for path, module in modules:
             self._module(path, module)
@@ -235,7 +236,9 @@ class Guard:
         self._env[f"v{k}"] = value
         self._terms.append(term or f"{expression} {'==' if watch.by_content else 'is'} v{k}")
 
-    def _item(self, entries: dict[str, Any], key: str, what: str) -> None:
+    def _item(
+        self, entries: dict[str, Any], key: str, what: str, names: set[str] | None = None
+    ) -> None:
         value = entries.get(key, _MISSING)
         contents = _contents(value)
         self._watch(
@@ -248,17 +251,24 @@ class Guard:
             f"{self._name(entries)}.get({key!r}, M)",
             value if contents is None else contents,
         )
-        self._nested(value, what)
+        self._nested(value, what, names)
 
-    def _nested(self, value: object, what: str) -> None:
-        """An object a forward may read attributes of (a config), one level deep."""
-        if _plain_object(value) and id(value) not in self._seen:
-            self._seen.add(id(value))
-            entries = vars(value)
+    def _nested(self, value: object, what: str, names: set[str] | None = None) -> None:
+        """An object a forward may read attributes of (a config), one level deep: those the
+        code reading it names (``names``: a trainer whose bound method is the loss has a
+        step count that changes every call), or all of them."""
+        if not _plain_object(value):
+            return
+        entries = vars(value)
+        if names is None and id(value) not in self._seen:
             self._length(entries, f"the attributes of {what}")
-            for key, item in list(entries.items()):
-                if not isinstance(item, torch.Tensor):
-                    self._item(entries, key, f"{what}.{key}")
+        self._seen.add(id(value))
+        for key, item in list(entries.items()):
+            if isinstance(item, torch.Tensor) or (names is not None and key not in names):
+                continue
+            if (id(value), key) not in self._keys:
+                self._keys.add((id(value), key))
+                self._item(entries, key, f"{what}.{key}")
 
     def _length(self, entries: dict[str, Any], what: str) -> None:
         self._watch(
@@ -313,16 +323,21 @@ class Guard:
             for value in (*fn.args, *fn.keywords.values()):
                 self._nested(value, what)
         elif isinstance(fn, types.MethodType):
-            self._nested(fn.__self__, f"{what}.__self__")
-            self._callable(fn.__func__, what, depth + 1)
+            func = fn.__func__
+            code = getattr(func, "__code__", None)
+            names = _names(code) if isinstance(code, types.CodeType) else None
+            self._nested(fn.__self__, f"{what}.__self__", names)
+            self._callable(func, what, depth + 1)
         elif isinstance(fn, types.FunctionType):
             if user_code(fn):
                 self._function(fn, what, depth=depth, owner=None)
         elif _plain_object(fn):  # a callable object
-            self._nested(fn, what)
             call = vars(type(fn)).get("__call__")
             if isinstance(call, types.FunctionType) and user_code(call):
+                self._nested(fn, what, _names(call.__code__))
                 self._function(call, what, depth=depth + 1, owner=type(fn))
+            else:
+                self._nested(fn, what)
 
     def _function(
         self, fn: types.FunctionType, what: str, *, depth: int, owner: type | None
@@ -333,6 +348,7 @@ class Guard:
             return
         self._seen.add(id(fn))
         code = fn.__code__
+        names = _names(code)
         for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
             value = _cell(cell)
             contents = _contents(value)
@@ -347,16 +363,16 @@ class Guard:
                 f"_cell({self._name(cell)})",
                 value if contents is None else contents,
             )
-            self._nested(value, label)
+            self._nested(value, label, names)
             if callable(value) and not isinstance(value, type):
                 self._callable(value, f"{name} (called by {what})", depth + 1)
         scope = fn.__globals__
-        for name in sorted(_names(code)):
+        for name in sorted(names):
             if name in scope:
                 value = scope[name]
                 if isinstance(value, types.ModuleType):
                     continue
-                self._item(scope, name, f"global {name!r} read by {what}")
+                self._item(scope, name, f"global {name!r} read by {what}", names)
                 if callable(value) and not isinstance(value, type):
                     self._callable(value, f"{name} (called by {what})", depth + 1)
             elif owner is not None:
