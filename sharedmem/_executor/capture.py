@@ -116,12 +116,12 @@ class Capture:
             self._binding = binding
         guard = self._guard
         idle: list[str] = []
-        with _probing(binding, idle):
-            traced = trace()
-        leak = guard.leaks()
-        if leak is not None:
-            what, take_out = leak
-            take_out()
+        try:
+            with _probing(binding, idle):
+                traced = trace()
+        finally:  # a failed trace leaves no traced tensor behind either
+            what = _take_out(guard)
+        if what is not None:
             raise SharedMemError(
                 f"sharedmem: {what} was given a tensor the trace computed (a fake tensor, "
                 "with no values): a pooled step replays a traced graph, so code that stores "
@@ -137,6 +137,20 @@ class Capture:
                 f"no values, and cannot repeat that on each call: {_FIX}"
             )
         return traced
+
+
+def _take_out(guard: Guard) -> str | None:
+    """Take every traced tensor out of the user state the guard watches; where the first
+    was, in words (``None``: there was none)."""
+    first = None
+    for _ in range(1000):  # each round takes one holder's out
+        leak = guard.leaks()
+        if leak is None:
+            break
+        what, take_out = leak
+        first = first or what
+        take_out()
+    return first
 
 
 _READY: list[bool] = []

@@ -213,9 +213,9 @@ class Guard:
         (a container is cleared of it, a rebound value put back); ``None`` where none was."""
         for watch, taken in zip(self._watched, self._taken, strict=True):
             value = watch.read()
-            if isinstance(value, FakeTensor):
-                return watch.what, functools.partial(watch.write, taken)
             found = _find_fake(value, depth=0)
+            if isinstance(value, FakeTensor) or found is _IN_TUPLE:
+                return watch.what, functools.partial(watch.write, taken)
             if found is not None:
                 return watch.what, found
         return None
@@ -429,7 +429,8 @@ def _find_fake(
     value: object, depth: int, inputs: frozenset[int] = frozenset()
 ) -> Callable[[], None] | None:
     """Where a fake tensor sits in ``value`` (containers and plain objects, a few levels
-    deep): a function that takes it out of its holder; ``None`` where there is none."""
+    deep): a function that takes it (or the tuple holding it) out of its holder; ``None``
+    where there is none."""
     if depth > 3:
         return None
     holder: Any = None
@@ -443,22 +444,39 @@ def _find_fake(
     else:
         return None
     for item in items:
-        if isinstance(item, FakeTensor):
-            if id(item) in inputs:
-                continue
-            return (lambda: None) if holder is None else functools.partial(_purge, holder)
+        if _fake(item, inputs):
+            if holder is None:  # in a tuple: its holder takes the tuple out
+                return _IN_TUPLE
+            return functools.partial(_purge, holder, inputs)
         found = _find_fake(item, depth + 1, inputs)
+        if found is _IN_TUPLE:
+            return functools.partial(_purge, holder, inputs) if holder is not None else found
         if found is not None:
             return found
     return None
 
 
-def _purge(holder: Any) -> None:
-    """Take every fake tensor out of a list, set or dict."""
+def _fake(value: object, inputs: frozenset[int]) -> bool:
+    return isinstance(value, FakeTensor) and id(value) not in inputs
+
+
+def _in_tuple() -> None:
+    """A fake tensor in a tuple held nowhere the walk can change."""
+
+
+_IN_TUPLE = _in_tuple
+
+
+def _purge(holder: Any, inputs: frozenset[int]) -> None:
+    """Take every fake tensor, and every tuple holding one, out of a list, set or dict."""
+
+    def fake(v: object) -> bool:
+        return _fake(v, inputs) or (type(v) is tuple and _find_fake(v, 3, inputs) is not None)
+
     if isinstance(holder, list):
-        holder[:] = [v for v in holder if not isinstance(v, FakeTensor)]
+        holder[:] = [v for v in holder if not fake(v)]
     elif isinstance(holder, set):
-        holder.difference_update([v for v in holder if isinstance(v, FakeTensor)])
+        holder.difference_update([v for v in holder if fake(v)])
     else:
-        for key in [k for k, v in holder.items() if isinstance(v, FakeTensor)]:
+        for key in [k for k, v in holder.items() if fake(v)]:
             del holder[key]
