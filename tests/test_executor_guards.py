@@ -83,6 +83,10 @@ def _clip_grad(
     return tuple(None if g is None else g * 0.1 for g in grad_in)
 
 
+def _halve_grad(module: nn.Module, grad_out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+    return (grad_out[0] * 0.5,)
+
+
 def _negate(p: torch.Tensor) -> None:
     assert p.grad is not None
     p.grad.mul_(-1)
@@ -102,6 +106,7 @@ CHANGES: dict[str, Callable[[Net, Callable[[float], None]], object]] = {
     "forward hook": lambda m, w: m.fc1.register_forward_hook(_double),
     "forward pre-hook": lambda m, w: m.fc2.register_forward_pre_hook(_halve_input),
     "full backward hook": lambda m, w: m.fc2.register_full_backward_hook(_clip_grad),
+    "full backward pre-hook": lambda m, w: m.fc1.register_full_backward_pre_hook(_halve_grad),
     "global forward hook": lambda m, w: nn.modules.module.register_module_forward_hook(_double),
     "parameter grad hook": lambda m, w: m.fc1.weight.register_hook(lambda g: g * 3),
     "post-accumulate hook": lambda m, w: m.fc2.bias.register_post_accumulate_grad_hook(_negate),
