@@ -116,11 +116,12 @@ class Capture:
             self._binding = binding
         guard = self._guard
         idle: list[str] = []
+        before = guard.fakes()
         try:
             with _probing(binding, idle):
                 traced = trace()
         finally:  # a failed trace leaves no traced tensor behind either
-            what = _take_out(guard)
+            what = _take_out(guard, before)
         if what is not None:
             raise SharedMemError(
                 f"sharedmem: {what} was given a tensor the trace computed (a fake tensor, "
@@ -139,12 +140,12 @@ class Capture:
         return traced
 
 
-def _take_out(guard: Guard) -> str | None:
+def _take_out(guard: Guard, before: frozenset[int]) -> str | None:
     """Take every traced tensor out of the user state the guard watches; where the first
     was, in words (``None``: there was none)."""
     first = None
     for _ in range(1000):  # each round takes one holder's out
-        leak = guard.leaks()
+        leak = guard.leaks(before)
         if leak is None:
             break
         what, take_out = leak

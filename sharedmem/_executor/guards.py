@@ -208,12 +208,23 @@ class Guard:
                 self._env[f"v{k}"] = now  # an equal value: keep the fast check fast
         return None
 
-    def leaks(self) -> tuple[str, Callable[[], None]] | None:
+    def fakes(self) -> frozenset[int]:
+        """The fake tensors (by id) in the watched state now: those a trace finds there
+        afterwards that were there before it are not its own (another tool's leftovers)."""
+        found: set[int] = set()
+        for watch in self._watched:
+            _collect(watch.read(), 0, found)
+        return frozenset(found)
+
+    def leaks(self, before: frozenset[int] = frozenset()) -> tuple[str, Callable[[], None]] | None:
         """Where a tensor the trace computed was stored (in words), and how to take it out
-        (a container is cleared of it, a rebound value put back); ``None`` where none was."""
+        (a container is cleared of it, a rebound value put back); ``None`` where none was.
+        ``before``: the fake tensors there before the trace (``fakes()``), left alone."""
         for watch, taken in zip(self._watched, self._taken, strict=True):
             value = watch.read()
-            found = _find_fake(value, depth=0)
+            if isinstance(value, FakeTensor) and id(value) in before:
+                continue
+            found = _find_fake(value, depth=0, inputs=before)
             if isinstance(value, FakeTensor) or found is _IN_TUPLE:
                 return watch.what, functools.partial(watch.write, taken)
             if found is not None:
@@ -454,6 +465,23 @@ def _find_fake(
         if found is not None:
             return found
     return None
+
+
+def _collect(value: object, depth: int, found: set[int]) -> None:
+    """Add the ids of the fake tensors in ``value`` (as ``_find_fake`` walks it) to ``found``."""
+    if isinstance(value, FakeTensor):
+        found.add(id(value))
+    elif depth <= 3:
+        if type(value) in (list, tuple, set):
+            items = list(value)  # type: ignore[call-overload]
+        elif type(value) is dict:
+            items = list(value.values())
+        elif _plain_object(value):
+            items = list(vars(value).values())
+        else:
+            return
+        for item in items:
+            _collect(item, depth + 1, found)
 
 
 def _fake(value: object, inputs: frozenset[int]) -> bool:
