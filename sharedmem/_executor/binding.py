@@ -18,6 +18,7 @@ was, so tracing leaves nothing behind on the model: no fake tensor, no changed a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.parameter import is_lazy
 
 from .._errors import SharedMemError
@@ -220,9 +222,7 @@ class Swap:
         # A call that returned keeps the plain values it set on the modules (a counter, a
         # cached length), as eager does; the guard then sees them change (``guards``).
         set_plain = self._set_plain() if kind is None else []
-        kept = [
-            (entries, attr, value) for entries, attr, value in set_plain if not holds_fake(value)
-        ]
+        kept = [(entries, attr, value) for entries, attr, value in set_plain if not _traced(value)]
         self._restore()
         for entries, attr, value in kept:
             entries[attr] = value
@@ -278,6 +278,15 @@ class Swap:
             _put_back(vars(module), saved[_ATTRS])  # first: it holds the three dicts
             for kind in (_PARAMS, _BUFFERS, "_modules"):
                 _put_back(getattr(module, kind), saved[kind])
+
+
+def _traced(value: object) -> bool:
+    """Whether a value the forward set refers to the trace's tensors (holds one, or a weak
+    reference to one: an RNN's ``_flat_weight_refs``): put back, never kept."""
+    if holds_fake(value):
+        return True
+    items = value if type(value) in (list, tuple) else ()
+    return any(isinstance(v, weakref.ref) and isinstance(v(), FakeTensor) for v in items)  # type: ignore[attr-defined]
 
 
 def _snapshot(module: nn.Module) -> dict[str, dict[str, Any]]:
