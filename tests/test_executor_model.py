@@ -163,7 +163,7 @@ def test_a_plain_tensor_attribute_changed_in_place_changes_once_per_call() -> No
     assert model.calls.item() == 2.0
 
 
-def test_tracing_leaves_no_fake_tensor_and_no_changed_attribute_on_the_model() -> None:
+def test_a_forward_that_keeps_a_computed_tensor_in_a_container_is_refused_cleanly() -> None:
     class Caching(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -171,12 +171,14 @@ def test_tracing_leaves_no_fake_tensor_and_no_changed_attribute_on_the_model() -
             self.seen = 0
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.seen += 1  # Python-side state: fixed at trace time, put back afterwards
-            self.cache = {"h": self.fc(x)}  # a tensor in a container: not carried out
+            self.seen += 1  # Python-side state: kept after a call, as in eager
+            self.cache = {"h": self.fc(x)}  # a computed tensor in a container: refused
             return self.cache["h"]
 
     model = Caching()
-    sm.pooled_forward(model, pool=sm.BufferPool())(torch.randn(2, 4))
+    with pytest.raises(sm.SharedMemError, match="stores tensors it computed in 'cache'"):
+        sm.pooled_forward(model, pool=sm.BufferPool())(torch.randn(2, 4))
+    # The refused call leaves the model as it was: no fake tensor, no changed attribute.
     assert model.seen == 0 and not hasattr(model, "cache")
     assert all(type(p) is nn.Parameter for p in model.parameters())
 

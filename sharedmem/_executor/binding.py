@@ -18,6 +18,7 @@ was, so tracing leaves nothing behind on the model: no fake tensor, no changed a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -25,13 +26,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.parameter import is_lazy
 
 from .._errors import SharedMemError
+from .guards import holds_fake
 
 __all__ = ["Binding", "Place", "State", "Swap"]
 
 _PARAMS, _BUFFERS, _ATTRS = "_parameters", "_buffers", "__dict__"
+_STRUCTURE = frozenset({_PARAMS, _BUFFERS, "_modules"})
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,26 @@ class Swap:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        # A call that returned keeps the plain values it set on the modules (a counter, a
+        # cached length), as eager does; the guard then sees them change (``guards``).
+        set_plain = self._set_plain() if kind is None else []
+        kept = [(entries, attr, value) for entries, attr, value in set_plain if not _traced(value)]
         self._restore()
+        for entries, attr, value in kept:
+            entries[attr] = value
+
+    def _set_plain(self) -> list[tuple[dict[str, Any], str, object]]:
+        """The non-tensor attributes the call set on the modules since entering."""
+        found = []
+        for _, module, placed in self._placed:
+            entries = vars(module)
+            before = placed[_ATTRS]
+            for attr, value in entries.items():
+                if attr in _STRUCTURE or isinstance(value, torch.Tensor):
+                    continue
+                if attr not in before or before[attr] is not value:
+                    found.append((entries, attr, value))
+        return found
 
     def stored(self) -> list[tuple[Place, torch.Tensor]]:
         """The tensors stored on the modules since entering, by place.
@@ -238,6 +261,16 @@ class Swap:
                             "create parameters before the first call"
                         )
                     found.append((place, value))
+        inputs = frozenset(map(id, self._tensors))
+        for _, attr, value in self._set_plain():
+            # A list of the placed tensors (an RNN's flat weights) is put back as it was.
+            if holds_fake(value, inputs):
+                raise SharedMemError(
+                    f"sharedmem: the model's forward stores tensors it computed in {attr!r} "
+                    f"(a {type(value).__name__}), where a pooled step could only leave traced "
+                    "tensors with no values; store them as tensor attributes or buffers "
+                    "(written back after every call), or return them from the forward"
+                )
         return found
 
     def _restore(self) -> None:
@@ -245,6 +278,15 @@ class Swap:
             _put_back(vars(module), saved[_ATTRS])  # first: it holds the three dicts
             for kind in (_PARAMS, _BUFFERS, "_modules"):
                 _put_back(getattr(module, kind), saved[kind])
+
+
+def _traced(value: object) -> bool:
+    """Whether a value the forward set refers to the trace's tensors (holds one, or a weak
+    reference to one: an RNN's ``_flat_weight_refs``): put back, never kept."""
+    if holds_fake(value):
+        return True
+    items = value if type(value) in (list, tuple) else ()
+    return any(isinstance(v, weakref.ref) and isinstance(v(), FakeTensor) for v in items)  # type: ignore[attr-defined]
 
 
 def _snapshot(module: nn.Module) -> dict[str, dict[str, Any]]:

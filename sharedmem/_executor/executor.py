@@ -6,6 +6,8 @@ its tensors live), the training flag of every submodule, the parameters', buffer
 tensor attributes' shapes, dtypes, devices and ``requires_grad``, and the modes that change
 which ops a trace records (autocast and its dtype, the default dtype). The first call of a
 signature traces, plans and generates code; later calls only look the signature up and run.
+Python values a trace read besides (attributes, hooks, closures, globals) are guarded
+(``capture``, ``guards``): when one changes, every graph is dropped and traced again.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .._pool import BufferPool
 from .._routing import Route, choose_plan, routes_on
 from .._validate import check_name
 from .binding import Binding, Place, State
+from .capture import Capture
 from .codegen import Runner, generate
 from .distributed import grad_taps, unwrap
 from .graph import Analysis, analyse, op_name
@@ -132,6 +135,8 @@ class Executor:
         self._traced: dict[tuple[object, ...], Traced] = {}
         self._last: Compiled | None = None
         self._binding: Binding | None = None
+        # What the traces read besides tensors, checked on every call (see ``capture``).
+        self.capture = Capture(self.model, pool, self._loss_functions)
         self._trains = False  # a train step (its arena grows for it), not a forward
         # Served through the routing allocator where it can be (see ``_routed``); set before
         # the first call to plan with ``out=`` kernels only.
@@ -142,6 +147,10 @@ class Executor:
         # ``max_slowdown``; part of every compiled step's key.
         self.recompute_heavy: bool | float = False
 
+    def _loss_functions(self) -> list[tuple[str, object]]:
+        """The callables a trace runs besides the model (a train step's loss function)."""
+        return []
+
     def _state(self) -> tuple[Binding, State]:
         binding = self._binding
         state = None if binding is None else binding.state()
@@ -149,6 +158,12 @@ class Executor:
             binding = self._binding = Binding(self.model)
             state = binding.state()
             assert state is not None, "a fresh binding matches the model"
+        if self.capture.stale(binding):
+            # A value a trace read changed (an attribute, a hook, a closure, the structure):
+            # every graph traced with the old one is dropped, and the next call of each
+            # signature traces again, as eager would see the change.
+            self._cache.clear()
+            self._traced.clear()
         return binding, state
 
     def _mode(self) -> Mode:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from .._errors import SharedMemError
 from .._pool import BufferPool
 from .._validate import check_loss_fn
 from .accumulate import accumulating, obeys_layout, relayout
@@ -48,20 +49,43 @@ class PooledTrainStep(Executor):
 
     def __call__(self, inputs: object, targets: object = None) -> torch.Tensor:
         """Run forward and backward, add the gradients into ``p.grad``, return the loss."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "sharedmem: the pooled train step was called with gradients disabled "
+                "(under torch.no_grad() or torch.inference_mode()), where eager "
+                "loss.backward() raises too; call it outside no_grad, or evaluate with "
+                "sm.pooled_forward"
+            )
         binding, state = self._state()
         x = flatten(inputs, "inputs")
         y = flatten(self.check_targets(targets), "targets")
         mode = self._mode()
         traced_key = (state.key, x.key, y.key, mode)
+        hooked = _hooked(state.params)
+        if hooked and self._sync is not None:
+            raise SharedMemError(
+                "sharedmem: a parameter of a DistributedDataParallel model has a gradient "
+                "hook (register_hook or register_post_accumulate_grad_hook); the pooled step "
+                "averages gradients inside its graph, before such a hook could run: remove "
+                "the hook, or use DDP's own communication hooks"
+            )
         # Gradients already there are added into inside the graph (see ``accumulate``); the
         # DDP path keeps them out of it, since its buckets average the new gradients alone.
-        present = () if self._sync is not None else tuple(p.grad is not None for p in state.params)
+        # A parameter with gradient hooks gets its new gradient alone: its hooks see that.
+        present = (
+            ()
+            if self._sync is not None
+            else tuple(
+                p.grad is not None and not (hooked and hooked[i])
+                for i, p in enumerate(state.params)
+            )
+        )
         key = (*traced_key, present, self._recompute_key())
         compiled = self._cache.get(key)
         if compiled is None:
             self._check_devices(state, x, y)
-            traced = self._traced.get(traced_key) or trace_train(
-                self.model, self.loss_fn, binding, state, x, y
+            traced = self._traced.get(traced_key) or self.capture.trace(
+                binding, lambda: trace_train(self.model, self.loss_fn, binding, state, x, y)
             )
             traced = self._with_grads(traced, state, present)
             label = describe("train step", x, y)
@@ -91,6 +115,8 @@ class PooledTrainStep(Executor):
             g, grads[i] = grads[i], None  # a copied gradient's original dies at once
             if g is None:
                 continue
+            if hooked and hooked[i]:
+                g, owned = _before_accumulating(p, g, owned)
             if p.grad is None:
                 # As autograd's AccumulateGrad: keep a fresh gradient that has the parameter's
                 # layout as it is, copy anything else into the parameter's layout.
@@ -98,6 +124,9 @@ class PooledTrainStep(Executor):
             else:
                 p.grad.add_(g)
             del g
+            if hooked and hooked[i] and p._post_accumulate_grad_hooks:
+                for hook in list(p._post_accumulate_grad_hooks.values()):
+                    hook(p)  # as autograd does once the gradient is accumulated
         if self._sync is not None:
             self._sync.finish()
         result: torch.Tensor = loss if compiled.owned[0] else loss.clone()
@@ -140,7 +169,9 @@ class PooledTrainStep(Executor):
         traced = self._traced.get(key)
         if traced is None:
             self._check_devices(state, x, y)
-            traced = trace_train(self.model, self.loss_fn, binding, state, x, y)
+            traced = self.capture.trace(
+                binding, lambda: trace_train(self.model, self.loss_fn, binding, state, x, y)
+            )
             self._traced[key] = traced
         return traced, key, state
 
@@ -158,9 +189,37 @@ class PooledTrainStep(Executor):
             gm = accumulating(gm, grads, first_data)
         return traced if gm is traced.gm else dataclasses.replace(traced, gm=gm)
 
+    def _loss_functions(self) -> list[tuple[str, object]]:
+        return [] if self.own_loss else [("loss_fn", self.loss_fn)]
+
     def check_targets(self, targets: object) -> object:
         """``targets``, refused where the step's loss is the model's own."""
         return check_targets(self.own_loss, targets)
+
+
+def _hooked(params: list[torch.Tensor]) -> list[bool]:
+    """Which parameters have gradient hooks (``register_hook``,
+    ``register_post_accumulate_grad_hook``); empty where none has (the common case)."""
+    hooks = [bool(p._backward_hooks) or bool(p._post_accumulate_grad_hooks) for p in params]
+    return hooks if any(hooks) else []
+
+
+def _before_accumulating(
+    p: torch.Tensor, g: torch.Tensor, owned: bool
+) -> tuple[torch.Tensor, bool]:
+    """``p``'s new gradient ``g`` through its ``register_hook`` hooks, as autograd runs them
+    before accumulating it, and whether the step owns the result (a hook's own tensor is
+    copied, as it may keep it)."""
+    hooks = p._backward_hooks
+    if not hooks:
+        return g, owned
+    if not owned:  # a pool view: the hook may keep it
+        g, owned = g.clone(), True
+    for hook in list(hooks.values()):
+        result = hook(g)
+        if result is not None:
+            g, owned = result, False
+    return g, owned
 
 
 class PooledForward(Executor):
@@ -193,7 +252,9 @@ class PooledForward(Executor):
         compiled = self._cache.get(key)
         if compiled is None:
             self._check_devices(state, x)
-            traced = self._traced.get(key) or trace_forward(self.model, binding, state, x)
+            traced = self._traced.get(key) or self.capture.trace(
+                binding, lambda: trace_forward(self.model, binding, state, x)
+            )
             label = describe("train-mode forward" if self.model.training else "forward", x)
             n_data = len(x.tensors)
             compiled = self._build(
@@ -220,7 +281,9 @@ class PooledForward(Executor):
         traced = self._traced.get(key)
         if traced is None:
             self._check_devices(state, x)
-            traced = trace_forward(self.model, binding, state, x)
+            traced = self.capture.trace(
+                binding, lambda: trace_forward(self.model, binding, state, x)
+            )
             self._traced[key] = traced
         recorded = self._recorded(key, returned_bytes(traced.gm))
         return recorded or self._memory_plan(traced, outputs_in_pool=self.outputs_in_pool)

@@ -86,12 +86,24 @@ def pooled_train_step(
 
     The module's Python code runs only while tracing. Tensors it stores on the module (a
     buffer it rebinds, ``self.avg = 0.9 * self.avg + ...``; a tensor attribute it sets) are
-    written back after every call, as in eager; other Python-side state (counters, tensors
-    put in lists, data-dependent branches) is fixed at trace time, and tracing puts every
-    attribute of every submodule back as it was. Hooks registered on parameter tensors, and
-    module hooks added after a signature was traced, are not run. Traces in different
-    threads take turns; one executor, or one model, must not be called from two threads at
-    once.
+    written back after every call, as in eager. A step is never stale: each call checks
+    (in microseconds) the Python values the trace read besides tensors, as
+    ``torch.compile``'s guards do: every submodule's attributes and flags (a Dropout's ``p``,
+    a batch norm's ``momentum``), the module hooks (global ones too), the closure cells and
+    globals of ``loss_fn``, of the forwards and of the hooks; after a change the next call
+    captures again and equals eager's. Captures caused by changes are counted in
+    ``pool.stats()["recaptures"]``; past 8 for one step (``RECAPTURE_LIMIT``) one warning
+    names the value that keeps changing (a value changed every step is better passed in
+    as a tensor). Plain values the forward sets on a module (a counter) stay set, as in
+    eager, and so capture again on the next call. Module hooks run while tracing: what
+    they compute is part of the graph; a hook that would store a traced tensor (or a forward
+    that appends one to a list) is refused, as is a hook that returns nothing and computes
+    nothing the step uses (storing, printing, counting), since a replayed graph cannot
+    repeat it. Gradient hooks on parameters (``register_hook``,
+    ``register_post_accumulate_grad_hook``) run on every call with the real gradients, as
+    autograd runs them. Under ``torch.no_grad()`` the step raises ``RuntimeError``, as
+    ``loss.backward()`` would. Traces in different threads take turns; one executor, or
+    one model, must not be called from two threads at once.
 
     A ``DistributedDataParallel`` model (one pool per rank) gets its gradients averaged as
     DDP averages them, by its process group and buckets, skipped under ``ddp.no_sync()``;
