@@ -21,7 +21,9 @@ up to a short chain, each link dying right after its use; or, giving time, is ke
 where it is a quarter or less of the value: GPT-2's causal mask beside its attention
 scores); the value's readers before the gap stay as they are; the value is reached only
 through itself and views of it (no in-place writes); and it is idle across the step's
-busiest node (elsewhere it would cost time for nothing).
+busiest node (elsewhere it would cost time for nothing). The search that chooses them is
+bounded in steps (``PATIENCE``, ``STEPS_PER_NODE``) and returns the best plan it went
+through, so planning always returns, with the same plan for the same graph.
 """
 
 from __future__ import annotations
