@@ -6,18 +6,24 @@ masked fills, sorts and maxima, cat/split/unbind, pooling, softmax over either d
 column-major copies, dropout (every call of a train step draws from the same seed as
 eager's, and heavy recomputation replays dropout however small its noise). Its train step,
 eval forward and eval forward with outputs in the pool must equal eager PyTorch in float64.
-The programs of one run come from the ``seed`` fixture; a failure names the seed and prints
-the program.
+Each test is one case of one fuzz seed (its id names both, ``550910800-1``): a fixed set of
+seeds, the regressions the fuzzer found, and, only where asked for, fresh seeds
+(``SHAREDMEM_FUZZ_SEEDS=N``: N seeds drawn from the run's ``SHAREDMEM_SEED``, each named in
+its tests' ids). Each case fails with its seed and program, or past its timeout. Many fresh seeds
+run outside the tests: ``benchmarks/fuzz_executor.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import pytest
 import torch
+from conftest import _SEED
 from torch import nn
 
 import sharedmem as sm
@@ -188,28 +194,84 @@ def draw(rng: random.Random, batch: int, trainable: bool) -> str | None:
     return None
 
 
-def test_random_programs_equal_eager(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Dropout's noise here is a few hundred bytes, less than the generator state a replay
-    # keeps: replayed anyway, so that the programs exercise it.
-    monkeypatch.setattr(recompute_module, "REPLAY_MIN_RATIO", 0)
+CASES = 24  # per seed
+# A case's own time limit (seconds); each takes a few seconds, the slowest known about 15 on a
+# busy two-core machine. A planner that does not return fails here, naming its seed and case.
+CASE_TIMEOUT = 240
+# Seeds every run checks, and the cases the fuzzer found wrong (each fixed since):
+SEEDS = (20240611, 7)
+REGRESSIONS = (
+    (550910800, 1),  # the recomputation planner computed copies of copies for ever
+    (888819721, 16),  # heavy recomputation replayed h4.add_(h4) reading h4 after its write
+)
+
+
+class Case(NamedTuple):
+    """One random program and how it is run."""
+
+    seed: int
+    case: int
+    source: str | None  # None: no program eager runs was drawn
+    batches: list[int]
+    device: str
+    plan: str
+    heavy: bool
+
+    def __str__(self) -> str:
+        return (
+            f"seed {self.seed}, case {self.case} ({self.device} pool, {self.plan} plan, "
+            f"batches {self.batches}, heavy recomputation {self.heavy})"
+        )
+
+
+def cases(seed: int) -> Iterator[Case]:
+    """The ``CASES`` cases of ``seed``, in order (each case's draws follow the last one's)."""
     rng = random.Random(seed)
-    for case in range(24):
+    for case in range(CASES):
         # Even cases are square, so that .t() keeps shapes; odd ones change the batch size.
         batches = [WIDTH] if case % 2 == 0 else rng.sample([3, 5, 11], 2)
         device, plan = rng.choice(["cpu", "emulated"]), rng.choice(["liveness", "per_node"])
         heavy = rng.random() < 0.5
         source = draw(rng, batches[0], trainable=case % 4 < 2)
-        if source is None:
-            continue
-        what = (
-            f"seed {seed}, case {case} ({device} pool, {plan} plan, batches {batches}, "
-            f"heavy recomputation {heavy})"
-        )
-        try:
-            wrong = check(source, batches, device, plan, heavy)
-        except Exception as e:
-            raise AssertionError(f"{what}: {e!r} for\n{source}") from e
-        assert not wrong, f"{what}: {', '.join(wrong)} differ from eager for\n{source}"
+        yield Case(seed, case, source, batches, device, plan, heavy)
+
+
+def run_case(found: Case) -> None:
+    """Check one case against eager; raise ``AssertionError`` naming it where it differs."""
+    if found.source is None:
+        return
+    # Dropout's noise here is a few hundred bytes, less than the generator state a replay
+    # keeps: replayed anyway, so that the programs exercise it.
+    saved = recompute_module.REPLAY_MIN_RATIO
+    recompute_module.REPLAY_MIN_RATIO = 0
+    try:
+        wrong = check(found.source, found.batches, found.device, found.plan, found.heavy)
+    except Exception as e:
+        raise AssertionError(f"{found}: {e!r} for\n{found.source}") from e
+    finally:
+        recompute_module.REPLAY_MIN_RATIO = saved
+    assert not wrong, f"{found}: {', '.join(wrong)} differ from eager for\n{found.source}"
+
+
+def _fresh_seeds() -> list[int]:
+    """``SHAREDMEM_FUZZ_SEEDS`` seeds drawn from the run's seed (none unless asked for)."""
+    count = int(os.environ.get("SHAREDMEM_FUZZ_SEEDS", "0"))
+    rng = random.Random(_SEED)
+    return [rng.randrange(2**31) for _ in range(count)]
+
+
+def _params() -> list[object]:
+    chosen = [(seed, case) for seed in (*SEEDS, *_fresh_seeds()) for case in range(CASES)]
+    chosen += [r for r in REGRESSIONS if r not in chosen]
+    return [pytest.param(seed, case, id=f"{seed}-{case}") for seed, case in chosen]
+
+
+@pytest.mark.timeout(CASE_TIMEOUT)
+@pytest.mark.parametrize(("fuzz_seed", "case"), _params())
+def test_random_programs_equal_eager(fuzz_seed: int, case: int) -> None:
+    found = next(c for c in cases(fuzz_seed) if c.case == case)
+    print(f"sharedmem: fuzz {found}")  # shown with the failure, a timeout's included
+    run_case(found)
 
 
 # The reduced program of a fuzzer finding: log_softmax over the batch dimension of a value

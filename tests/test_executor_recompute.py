@@ -196,6 +196,53 @@ def test_values_written_in_place_are_recomputed_with_their_writes_bit_for_bit() 
         F.cross_entropy(eager(x), y).backward()
 
 
+class SelfAdd(nn.Module):
+    """A value written in place with itself (``h.add_(h)``), read again at the very end of
+    backward (the first product's gradient), under three wider layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.layers = nn.Sequential(
+            *(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)) for _ in range(3))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.add_(h)
+        return self.layers(h * self.b(x))
+
+
+def test_a_write_that_reads_its_own_target_is_replayed_on_the_recomputed_value() -> None:
+    # Replayed on the value computed again, ``h.add_(h)`` must read that value as replayed so
+    # far, not the forward's ``h`` after its write (issue 34: that computed 3h, not 2h).
+    torch.manual_seed(0)
+    eager = SelfAdd()
+    model = copy.deepcopy(eager)
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    F.mse_loss(eager(x), y).backward()
+    step = sm.pooled_train_step(model, F.mse_loss, pool=sm.BufferPool("cpu"))
+    step.recompute_heavy = True
+    step.memory_plan(x, y)
+    (traced,) = step._traced.values()
+    graph = recompute(traced.gm, heavy=True)[0].graph
+    adds = [n for n in graph.nodes if n.target is torch.ops.aten.add_.Tensor]
+    assert len(adds) == 2, "h.add_(h) was not replayed"
+    assert all(n.args[0] is n.args[1] for n in adds)  # each on its own value
+    assert torch.equal(step(x, y), F.mse_loss(eager(x), y).detach())
+    for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_the_recomputation_search_takes_at_most_its_steps() -> None:
+    gm = _traced_resnet()
+    _, unbounded = recompute(gm, heavy=True)
+    assert unbounded > 3
+    assert recompute(gm, heavy=True, steps=0) == (gm, 0)
+    for steps in (1, 3, unbounded):
+        assert 0 < recompute(gm, heavy=True, steps=steps)[1] <= steps
+
+
 class Attention(nn.Module):
     """GPT-2's attention: one matrix product makes q, k and v (split), then SDPA."""
 

@@ -21,7 +21,9 @@ up to a short chain, each link dying right after its use; or, giving time, is ke
 where it is a quarter or less of the value: GPT-2's causal mask beside its attention
 scores); the value's readers before the gap stay as they are; the value is reached only
 through itself and views of it (no in-place writes); and it is idle across the step's
-busiest node (elsewhere it would cost time for nothing).
+busiest node (elsewhere it would cost time for nothing). The search that chooses them is
+bounded in steps (``PATIENCE``, ``STEPS_PER_NODE``) and returns the best plan it went
+through, so planning always returns, with the same plan for the same graph.
 """
 
 from __future__ import annotations
@@ -78,7 +80,21 @@ HEAVY_MIN_GAP = 4
 REPLAY_MIN_RATIO = 4
 
 
-def recompute(gm: GraphModule, *, heavy: bool | float = False) -> tuple[GraphModule, int]:
+# Planning one graph is bounded. A step of the search computes one value again (chosen by a
+# scan of the graph); the search stops after PATIENCE steps in a row that found no plan with a
+# lower modelled peak than the best so far, and after STEPS_PER_NODE steps per node of the
+# graph as traced whatever it finds, and returns the best plan it went through. On the graphs
+# we know the peak falls at nearly every step (a plateau of four at most, a rise undone by the
+# next step) and the search ends on its own; without a bound, values computed again can be
+# computed again from their copies in turn for ever, as a conveyor (issue 34: each move frees
+# the busiest node and makes another as busy).
+PATIENCE = 32
+STEPS_PER_NODE = 1
+
+
+def recompute(
+    gm: GraphModule, *, heavy: bool | float = False, steps: int | None = None
+) -> tuple[GraphModule, int]:
     """A copy of ``gm`` whose cheap long-idle values are computed again where read late, and
     how many were (``gm`` itself when none is).
 
@@ -87,76 +103,115 @@ def recompute(gm: GraphModule, *, heavy: bool | float = False) -> tuple[GraphMod
     ``MAX_CHAIN_HEAVY``), and shorter gaps are taken. ``True``: every such value idle
     across the busiest node; a number: values chosen cheapest first (modelled time per byte
     freed, see ``cost``) while their modelled time stays within that fraction of the step's
-    own. The copy's ``meta["recompute_cost"]`` is the fraction its recomputation adds."""
+    own. The copy's ``meta["recompute_cost"]`` is the fraction its recomputation adds.
+
+    ``steps`` bounds the search (default ``STEPS_PER_NODE`` per node of ``gm``): after that
+    many values computed again it stops, as it does after ``PATIENCE`` steps that did not
+    lower its modelled peak. What it returns is the plan, among those it went through, with
+    the lowest modelled peak (the latest of equals): it never ends on a step that made the
+    peak worse."""
+    limit = STEPS_PER_NODE * len(gm.graph.nodes) if steps is None else steps
+    search = _search(gm, heavy, limit)
+    if search is None:
+        return gm, 0  # (a data-dependent shape is refused, with its source line, by analyse)
+    peaks = search.peaks
+    best = max(i for i, peak in enumerate(peaks) if peak == min(peaks))
+    if best < search.count:  # found again, as deterministic as the first time
+        search = _search(gm, heavy, best)
+        assert search is not None and search.peaks[-1] == peaks[best], (peaks, best)
+    if not search.count:
+        return gm, 0
+    result = GraphModule(gm, search.graph)
+    result.meta["recompute_cost"] = search.spent
+    return result, search.count
+
+
+def _search(gm: GraphModule, heavy: bool | float, limit: int) -> _Search | None:
+    """Up to ``limit`` steps of the search on a copy of ``gm``, or ``None`` where its shapes
+    are not static."""
     graph = Graph()
-    copies: dict[Node, Node] = {}
-    out = graph.graph_copy(gm.graph, copies)
-    graph.output(out)
+    graph.output(graph.graph_copy(gm.graph, {}))
     fakes = fake_mode(graph)
     if fakes is None or not _static(graph):
-        return gm, 0  # (a data-dependent shape is refused, with its source line, by analyse)
+        return None
     giving = heavy is not False and heavy != 0
     total = graph_cost(graph) if giving else 0.0  # the step's own, as traced
-    count, spent = _in_graph_order(graph, fakes), 0.0  # the default's, free: always first
+    search = _Search(graph, fakes, limit)
+    _in_graph_order(search)  # the default's, free: always first
     if giving:
-        allowance = math.inf if heavy is True else float(heavy) * total
-        more, spent = _cheapest_first(graph, fakes, allowance)
-        count += more
-        spent /= total or 1.0
-    if not count:
-        return gm, 0
-    result = GraphModule(gm, graph)
-    result.meta["recompute_cost"] = spent
-    return result, count
+        _cheapest_first(search, math.inf if heavy is True else float(heavy) * total)
+        search.spent /= total or 1.0
+    return search
 
 
-def _in_graph_order(graph: Graph, fakes: object) -> int:
-    """Recompute every cheap value that qualifies, in graph order; how many."""
-    count = 0
-    index = _Index(graph)
+class _Search:
+    """One graph's recomputation as it goes: the graph and its index, and the modelled peak
+    before the first step and after each."""
+
+    def __init__(self, graph: Graph, fakes: object, limit: int) -> None:
+        self.graph, self.fakes, self.limit = graph, fakes, limit
+        self.index = _Index(graph)
+        self.peaks = [self.index.peak]
+        self.best = 0  # the first step count at the lowest peak so far
+        self.spent = 0.0  # the modelled time of the heavy steps
+
+    @property
+    def count(self) -> int:
+        return len(self.peaks) - 1
+
+    @property
+    def done(self) -> bool:
+        return self.count >= self.limit or self.count - self.best >= PATIENCE
+
+    def take(self, found: _Candidate, cost: float = 0.0) -> None:
+        _apply(self.graph, self.index, found, self.fakes)
+        self.index = _Index(self.graph)  # the busiest node moves as values are recomputed
+        self.peaks.append(self.index.peak)
+        if self.index.peak < self.peaks[self.best]:
+            self.best = self.count
+        self.spent += cost
+
+
+def _in_graph_order(search: _Search) -> None:
+    """Recompute every cheap value that qualifies, in graph order."""
     changed = True
-    while changed:  # the busiest node moves as values are recomputed: look again
+    while changed and not search.done:  # the busiest node has moved: look again
         changed = False
-        for node in list(graph.nodes):
+        for node in list(search.graph.nodes):
             value = _value(node)
-            if value is None or value not in index.position:
+            if value is None or value not in search.index.position:
                 continue
-            found = _candidate(index, value)
+            found = _candidate(search.index, value)
             if found is not None:
-                _apply(graph, index, found, fakes)
-                count += 1
+                search.take(found)
                 changed = True
-                index = _Index(graph)
-    return count
+                if search.done:
+                    return
 
 
-def _cheapest_first(graph: Graph, fakes: object, allowance: float) -> tuple[int, float]:
+def _cheapest_first(search: _Search, allowance: float) -> None:
     """Recompute, one at a time, the qualifying value (heavy ones included) whose chain costs
-    the least modelled time per byte it frees, while the total stays within ``allowance``;
-    how many, and their modelled time."""
-    count, spent = 0, 0.0
-    while True:
-        index = _Index(graph)  # the busiest node moves as values are recomputed
+    the least modelled time per byte it frees, while the total stays within ``allowance``."""
+    while not search.done:
+        index = search.index
         best: tuple[float, float, _Candidate] | None = None
-        for node in graph.nodes:
+        for node in search.graph.nodes:
             value = _value(node, heavy=True)
-            if value is None or value not in index.position:
+            if value is None or value not in search.index.position:
                 continue
             found = _candidate(index, value, heavy=True)
             if found is None:
                 continue
             ops = [*_producers(found.chain), *_chain_writers(index, found.chain)]
             cost = sum(op_cost(n) for n in ops)
-            if spent + cost > allowance:
+            if search.spent + cost > allowance:
                 continue
             freed = value.meta["val"].untyped_storage().nbytes() or 1
             if best is None or cost / freed < best[0]:
                 best = (cost / freed, cost, found)
         if best is None:
-            return count, spent
-        _apply(graph, index, best[2], fakes)
-        count += 1
-        spent += best[1]
+            return
+        search.take(best[2], best[1])
 
 
 def _chain_writers(index: _Index, chain: list[Node]) -> list[Node]:
@@ -198,17 +253,18 @@ class _Index:
                 for target in _nodes_in([passed]):
                     if target in self.key:
                         self.written.setdefault(self.key[target], []).append(self.position[n])
-        self.busiest = self._busiest()
+        self.busiest, self.peak = self._busiest()
 
     def unchanged(self, node: Node, after: int, before: int) -> bool:
         """Whether nothing writes ``node``'s storage between those two positions."""
         key = self.key.get(node)
         return key is not None and not any(after < at < before for at in self.written.get(key, ()))
 
-    def _busiest(self) -> int:
+    def _busiest(self) -> tuple[int, int]:
         """The node where the most bytes of the graph's own storages are alive (each from its
         first member to its last reader; an estimate that ignores in-place reuse and
-        kernels' scratch, enough to tell which values are idle across the peak)."""
+        kernels' scratch, enough to tell which values are idle across the peak), and how
+        many (the modelled peak)."""
         live = [0] * (len(self.nodes) + 1)
         for key, members in self.members.items():
             if key in self.inputs:
@@ -224,7 +280,7 @@ class _Index:
             total += delta
             if total > best:
                 best, at = total, i
-        return at
+        return at, best
 
     def readers(self, key: StorageWeakRef) -> list[Node]:
         """The nodes that read the storage ``key`` (not its aliases), in graph order."""
@@ -408,10 +464,13 @@ def _writes_replayable(index: _Index, value: Node, at: int) -> bool:
         not writers or not replayable(writers[0]) or writers[0].args[0] is not value
     ):
         return False
+    members = set(index.members[index.key[value]])
     for writer in writers:
         if index.position[writer] >= at:
             return False
         for arg in _nodes_in([*writer.args[1:], *writer.kwargs.values()]):
+            if arg in members:
+                continue  # the value itself (``h.add_(h)``): read from its copy, replayed so far
             if not index.alive_at(arg, at) or not index.unchanged(arg, index.position[writer], at):
                 return False
     return True
@@ -472,15 +531,18 @@ def _emit_write(graph: Graph, writer: Node, made: dict[Node, Node], fakes: objec
     random fill draws again from the generator state saved right before the forward's."""
     target = _op(writer)
     base = _view_again(graph, writer.args[0], made, fakes)  # type: ignore[arg-type]
+    # Its other inputs as the forward's write read them: the recomputed value itself (or a
+    # view of it) where the write reads its own target (``h.add_(h)``), as replayed so far.
+    rest = tuple(_again(graph, a, made, fakes) for a in writer.args[1:])
+    kwargs = {k: _again(graph, v, made, fakes) for k, v in writer.kwargs.items()}
     if replayable(writer):
         with graph.inserting_before(writer):
             state = graph.call_function(rng_state_op(), (writer.args[0],))
         with fakes:  # type: ignore[attr-defined]
             state.meta["val"] = rng_state_op()(writer.args[0].meta["val"])  # type: ignore[union-attr]
-        args: tuple[Argument, ...] = (state, base, *writer.args[1:])
-        again = graph.call_function(replay_op(target), args, dict(writer.kwargs))
+        again = graph.call_function(replay_op(target), (state, base, *rest), kwargs)
     else:
-        again = graph.call_function(target, (base, *writer.args[1:]), dict(writer.kwargs))
+        again = graph.call_function(target, (base, *rest), kwargs)
 
     def val(a: object) -> object:
         return a.meta["val"] if isinstance(a, Node) else a
@@ -488,9 +550,8 @@ def _emit_write(graph: Graph, writer: Node, made: dict[Node, Node], fakes: objec
     with fakes:  # type: ignore[attr-defined]
         # The fake result aliases the recomputed value's fake storage, as the op's does.
         again.meta["val"] = target(
-            base.meta["val"], *(val(a) for a in writer.args[1:]),
-            **{k: val(v) for k, v in writer.kwargs.items()},
-        )  # fmt: skip
+            base.meta["val"], *(val(a) for a in rest), **{k: val(v) for k, v in kwargs.items()}
+        )
     again.meta["stack_trace"] = writer.meta.get("stack_trace")
     return again
 
@@ -594,15 +655,21 @@ def _op(node: Node) -> OpOverload:
     return target
 
 
+def _again(graph: Graph, a: Argument, made: dict[Node, Node], fakes: object) -> Argument:
+    """Argument ``a`` of an op computed again: a value computed again (or a view of one, taken
+    again) in place of the original, any other as it is."""
+    if isinstance(a, Node):
+        if a not in made and _view_root(a) in made:  # a view of a value computed again
+            return _view_again(graph, a, made, fakes)
+        return made.get(a, a)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_again(graph, x, made, fakes) for x in a)
+    return a
+
+
 def _emit(graph: Graph, value: Node, made: dict[Node, Node], fakes: object) -> Node:
     def arg(a: Argument) -> Argument:
-        if isinstance(a, Node):
-            if a not in made and _view_root(a) in made:  # a view of a value computed again
-                return _view_again(graph, a, made, fakes)
-            return made.get(a, a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(arg(x) for x in a)
-        return a
+        return _again(graph, a, made, fakes)
 
     if value.target is operator.getitem:
         producer = value.args[0]
