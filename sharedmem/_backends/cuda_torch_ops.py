@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ctypes.util
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,11 +120,18 @@ class TorchCudaOps:
 
     def routing_upstream(self) -> tuple[int, int]:
         """The addresses of the two C calls the CUDA router gets memory with where no plan
-        serves: the driver's stream-ordered ``cuMemAllocAsync`` and ``cuMemFreeAsync``."""
-        driver = ctypes.CDLL("libcuda.so.1")
-        alloc = ctypes.cast(driver.cuMemAllocAsync, ctypes.c_void_p).value
-        free = ctypes.cast(driver.cuMemFreeAsync, ctypes.c_void_p).value
-        assert alloc is not None and free is not None, "libcuda lacks the stream-ordered calls"
+        serves: the runtime's stream-ordered ``cudaMallocAsync`` and ``cudaFreeAsync`` (what
+        PyTorch's own ``backend:cudaMallocAsync`` uses), from the runtime PyTorch loaded.
+
+        The runtime's, not the driver's ``cuMemAllocAsync``: PyTorch runs backward on a device
+        thread of its own, which has no current context where the device is the runtime's
+        default (PyTorch then skips setting it); the driver's calls fail there
+        (``CUDA_ERROR_INVALID_CONTEXT``, seen on an H100: the first allocation of backward),
+        where the runtime makes the device's primary context current itself."""
+        runtime = ctypes.CDLL(_loaded_cudart())
+        alloc = ctypes.cast(runtime.cudaMallocAsync, ctypes.c_void_p).value
+        free = ctypes.cast(runtime.cudaFreeAsync, ctypes.c_void_p).value
+        assert alloc is not None and free is not None, "the CUDA runtime lacks cudaMallocAsync"
         return alloc, free
 
     def install_allocator(self, library: str, alloc: str, free: str) -> None:
@@ -135,6 +144,20 @@ class TorchCudaOps:
 
     def total_memory(self, index: int) -> int:
         return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+def _loaded_cudart() -> str:
+    """The path of the CUDA runtime library this process loaded with PyTorch (its wheels
+    carry their own), else the system's; loading it again returns the same library."""
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        for line in maps:
+            path = line.split(maxsplit=5)[-1].strip()
+            if os.path.basename(path).startswith("libcudart.so"):
+                return path
+    found = ctypes.util.find_library("cudart")
+    if found is None:
+        raise RuntimeError("sharedmem: the CUDA runtime library (libcudart) is not loaded here")
+    return found
 
 
 _active: TorchCudaOps = TorchCudaOps()

@@ -3,8 +3,8 @@
 allocator for the whole process (``install_cuda_router``).
 
 It is opt-in because PyTorch allows it only before the first CUDA allocation, and because it
-replaces the caching allocator for everything: what no plan serves comes from the driver's
-stream-ordered allocator (``cuMemAllocAsync``, the allocator of PyTorch's own
+replaces the caching allocator for everything: what no plan serves comes from the CUDA runtime's
+stream-ordered allocator (``cudaMallocAsync``, the allocator of PyTorch's own
 ``backend:cudaMallocAsync`` setting), and PyTorch's allocator statistics
 (``torch.cuda.memory_allocated``, ``memory_reserved``, the memory history) are not kept.
 """

@@ -2,9 +2,10 @@
 // through torch.cuda.memory.CUDAPluggableAllocator, before the first CUDA allocation), which
 // serves the n-th allocation of a step from the pool's arena at its planned offset, exactly as
 // router.cpp does on the CPU (the plan's rules are route_core.h's). Everything else goes to
-// the upstream pair set by set_upstream: the driver's stream-ordered allocator
-// (cuMemAllocAsync / cuMemFreeAsync, what PyTorch's own cudaMallocAsync backend uses) on a
-// GPU, the stand-in's memory in tests.
+// the upstream pair set by set_upstream: on a GPU the stream-ordered allocator of the CUDA
+// runtime (cudaMallocAsync / cudaFreeAsync, what PyTorch's own cudaMallocAsync backend uses;
+// the runtime makes a context current on autograd's device thread, the driver API would not),
+// the stand-in's memory in tests.
 //
 // A scope belongs to a stream, not to a thread: on CUDA the autograd engine runs backward on a
 // device thread of its own, with the forward's streams, so routing by the step's stream
@@ -32,8 +33,8 @@ using sharedmem_route::Plan;
 using sharedmem_route::Scope;
 using sharedmem_route::Serve;
 
-// cuMemAllocAsync(CUdeviceptr*, size_t, CUstream) and cuMemFreeAsync(CUdeviceptr, CUstream):
-// 0 is CUDA_SUCCESS.
+// cudaMallocAsync(void**, size_t, cudaStream_t) and cudaFreeAsync(void*, cudaStream_t): 0 is
+// cudaSuccess.
 using UpstreamAlloc = int (*)(uint64_t*, size_t, void*);
 using UpstreamFree = int (*)(uint64_t, void*);
 std::atomic<UpstreamAlloc> g_alloc{nullptr};
