@@ -13,18 +13,20 @@ heads, feed-forward 1024), batch 8, sequence 128, AdamW, PyTorch's default loop
 seed; the losses are compared bit for bit.
 
     python benchmarks/bench_resident.py           # 30 steps after a 5-step warm-up
-    python benchmarks/bench_resident.py --steps 100
+    python benchmarks/bench_resident.py --quick   # 10 steps after 3
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Progress, Row, row, script_main
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = ("eager", "pool.step", "pooled_train_step")
@@ -97,37 +99,39 @@ def run_one(way: str, warmup: int, steps: int) -> dict[str, Any]:
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--json", help="write the figures to this file")
-    args = parser.parse_args()
+def run(quick: bool = False, device: str = "cpu", progress: Progress | None = None) -> list[Row]:
+    """Each way in, in a fresh process: resident memory at the end, beyond eager's."""
+    if device != "cpu":
+        return []  # the processes' resident memory is host memory: CPU only
+    warmup, steps = (3, 10) if quick else (5, 30)
     results = {}
     for way in WAYS:
-        print(f"bench_resident: {way} ...", file=sys.stderr, flush=True)
-        results[way] = run_one(way, args.warmup, args.steps)
-    eager = results["eager"]
-    print(
-        f"{'way in':<20} {'RSS warm':>12} {'RSS end':>12} {'peak RSS':>12} {'beyond eager':>14}"
-        f" {'share':>7} {'pool':>12}  losses"
-    )
-    for way in WAYS:
+        if progress is not None:
+            progress.say(f"{way} ({warmup} + {steps} steps, a fresh process) ...")
+        results[way] = run_one(way, warmup, steps)
+    eager = results["eager"]["end"]["VmRSS"]
+    rows = [row("eager: resident memory after warm-up and the steps", eager, "bytes")]
+    for way in WAYS[1:]:
         r = results[way]
-        beyond = r["end"]["VmRSS"] - eager["end"]["VmRSS"]
-        share = beyond / eager["end"]["VmRSS"]
-        same = "bit-exact" if r["losses"] == eager["losses"] else "DIFFER"
-        verdict = "" if way == "eager" else ("met" if share <= TARGET else "MISSED")
-        print(
-            f"{way:<20} {r['warm']['VmRSS']:>12,} {r['end']['VmRSS']:>12,} "
-            f"{r['end']['VmHWM']:>12,} {beyond:>14,} {share:>7.1%} {r['pool_reserved']:>12,}"
-            f"  {same} {verdict}"
+        beyond = r["end"]["VmRSS"] - eager
+        rows.append(
+            row(
+                f"{way}: resident beyond eager",
+                max(beyond, 0),
+                "bytes",
+                baseline=eager,
+                target=f"<= {TARGET:.2f}x eager's resident",
+                ok=beyond <= TARGET * eager,
+            )
         )
-    print(f"target: beyond eager at most {TARGET:.0%} of eager's resident memory (DESIGN §7)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0
+        same = r["losses"] == results["eager"]["losses"]
+        rows.append(row(f"{way}: losses bit for bit eager's", float(same), "", ok=same))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    return script_main(__doc__, run, "resident memory beyond eager on {device}", argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
