@@ -300,7 +300,8 @@ def test_pinned_host_views_span_their_capacity_not_the_reserved_range(
     assert copied == 0 and grown.address == block.address
     assert storage_bytes(grown.tensor) == 5 * PAGE
     assert first.tolist() == [3] * PAGE  # the view from before the growth is still valid
-    assert sorted(pins.values()) == [PAGE, 4 * PAGE] and backend.meter.held == 5 * PAGE
+    # One registration for the whole range (a copy may not span two: an H100 refuses it).
+    assert list(pins.values()) == [5 * PAGE] and backend.meter.held == 5 * PAGE
     shrunk, _ = backend.shrink(grown, 2 * PAGE, keep=PAGE)
     assert shrunk is not None
     assert storage_bytes(shrunk.tensor) == 2 * PAGE
