@@ -191,7 +191,7 @@ class Route:
         plan = choose_plan(
             recording, capacity=before, granularity=host.granularity, ceiling=ceiling
         )
-        if plan.need > before and lane == self._arena:
+        if plan.need and lane == self._arena:  # its base too: inputs are unaliased against it
             try:
                 view = host.tensor(self._arena, (plan.need,), torch.uint8)
                 host.arenas.served_from(self._arena, view.data_ptr())
