@@ -368,7 +368,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     # joins its threads (a gloo thread left for the interpreter's exit may abort the rank).
     importlib.import_module("torch._dynamo")
     # A failing rank must not leave the others waiting for ever in a collective.
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=180))
     torch.set_num_threads(1)
     results: dict[str, str | None] = {}
     try:
@@ -395,6 +395,10 @@ def _free_port() -> int:
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Ranks:
     world = request.param
     out = tmp_path_factory.mktemp(f"ranks{world}")
+    # The router is compiled at first use (30-90 s on a fresh machine): here, once, before the
+    # ranks start, not inside a rank while the others wait at a barrier (a fresh clone's CI
+    # run timed out there, the build racing the ranks).
+    sm._routing.native()
     mp.spawn(_rank_main, args=(world, _free_port(), str(out)), nprocs=world, join=True)
     return {r: json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)}
 
