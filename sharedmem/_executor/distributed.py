@@ -56,13 +56,6 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, Any]:
         what = refused(module)
         if what is not None:
             eager = "run this model eagerly (save_on_pool works there)"
-            if what.startswith("fully_shard"):
-                # Tested bit for bit against eager FSDP2 (tests/test_distributed.py).
-                eager = (
-                    'run its eager step inside `with pool.step("train", *inputs):`, which '
-                    "serves the step's allocations, FSDP2's all-gathers included, from the "
-                    "pool and gives eager FSDP2's gradients"
-                )
             raise TypeError(
                 f"sharedmem: {where} is wrapped by {what}, which a pooled step cannot honour "
                 "(its forward and backward do communication the pooled graph would skip, "
