@@ -164,6 +164,13 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(f"{count:>5}  {reason}")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tier first, each file's order kept otherwise: pytest-xdist hands tests out in
+    this order, so the longest runs start while the short ones fill in beside them, instead
+    of one of them (the model sweep of test_zoo, the last file) running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What collection loaded (torch, the tracing stack, every test module) stays for the whole
     run: frozen out of the garbage collector's passes, so that a full collection (the CUDA
