@@ -16,6 +16,7 @@ run outside the tests: ``benchmarks/fuzz_executor.py``.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -253,6 +254,13 @@ def run_case(found: Case) -> None:
     assert not wrong, f"{found}: {', '.join(wrong)} differ from eager for\n{found.source}"
 
 
+@functools.cache
+def _drawn(seed: int) -> tuple[Case, ...]:
+    """Every case of ``seed``, drawn once per process (a case's draws follow the cases before
+    it: drawing them again for each case would draw a seed's first cases 24 times)."""
+    return tuple(cases(seed))
+
+
 def _fresh_seeds() -> list[int]:
     """``SHAREDMEM_FUZZ_SEEDS`` seeds drawn from the run's seed (none unless asked for)."""
     count = int(os.environ.get("SHAREDMEM_FUZZ_SEEDS", "0"))
@@ -269,7 +277,7 @@ def _params() -> list[object]:
 @pytest.mark.timeout(CASE_TIMEOUT)
 @pytest.mark.parametrize(("fuzz_seed", "case"), _params())
 def test_random_programs_equal_eager(fuzz_seed: int, case: int) -> None:
-    found = next(c for c in cases(fuzz_seed) if c.case == case)
+    found = _drawn(fuzz_seed)[case]
     print(f"sharedmem: fuzz {found}")  # shown with the failure, a timeout's included
     run_case(found)
 
