@@ -159,11 +159,14 @@ def run_demo(
     verbose: bool = True,
     plot: str | None = None,
     progress: Callable[[str], None] | None = None,
+    fit: bool = True,
 ) -> dict[str, Any]:
     """Run both allocation schemes and print the comparison; returns every figure.
 
     With ``plot``, the shared pool records its memory timeline and writes it there as a PNG.
     ``progress`` hears a line after every training step (the benchmark shows it when quiet).
+    ``fit=False`` leaves out the third part (``pooled_train_step`` under half its memory;
+    ``"fit"`` is then ``None``): the benchmark's bytes come from the first two.
     """
     say = print if verbose else (lambda *a, **k: None)
     started = time.perf_counter()
@@ -222,19 +225,21 @@ def run_demo(
     say("\n" + pool.report())
     if plot is not None:
         say(f"memory timeline written to {pool.plot_timeline(plot)}")
-    say(
-        "\n[3/3] the MLP as an nn.Module through sm.pooled_train_step, under half the memory "
-        "its step needs: each batch in chunks"
-    )
-    from .demo_fit import STEPS, run_fit_demo  # the executor and planner: for this part only
+    fitted = None
+    if fit:
+        say(
+            "\n[3/3] the MLP as an nn.Module through sm.pooled_train_step, under half the memory "
+            "its step needs: each batch in chunks"
+        )
+        from .demo_fit import STEPS, run_fit_demo  # the executor and planner: for this part only
 
-    steps = min(config.steps, STEPS)
-    fitted = run_fit_demo(
-        config, say, lambda step: hear(f"under half the memory, step {step}/{steps}")
-    )
-    pairs = zip(fitted["losses"], fitted["unchunked_losses"], strict=True)
-    drift = max((abs(a - b) / abs(b) for a, b in pairs), default=0.0)
-    say(f"  the two loss curves are at most {drift:.1e} apart (relative)")
+        steps = min(config.steps, STEPS)
+        fitted = run_fit_demo(
+            config, say, lambda step: hear(f"under half the memory, step {step}/{steps}")
+        )
+        pairs = zip(fitted["losses"], fitted["unchunked_losses"], strict=True)
+        drift = max((abs(a - b) / abs(b) for a, b in pairs), default=0.0)
+        say(f"  the two loss curves are at most {drift:.1e} apart (relative)")
     elapsed = time.perf_counter() - started
     say(f"\nloss {shared['losses'][0]:.4f} -> {shared['losses'][-1]:.4f}; done in {elapsed:.1f} s")
     return {
