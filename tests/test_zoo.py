@@ -1,11 +1,14 @@
 """The model sweep (benchmarks/zoo.py, bench_zoo.py): every model a user brings runs through
 the pooled train step without a crash and equals eager bit for bit, and the estimate made
-before running is within its bounds of what ran. The optional zoos
-(torchvision, timm, transformers) run in the slow tier where they are installed; the
-recurrent models need torch alone."""
+before running is within its bounds of what ran. The recurrent models need torch alone; of
+the optional zoos (torchvision, timm, transformers), where installed, the slow tier runs one
+model each (a CNN with batch norm, a vision transformer, a causal language model: about 15
+to 40 CPU seconds a model), and every installed model only where asked for
+(``SHAREDMEM_ZOO=all``, as ``python benchmarks/bench_zoo.py`` does for BENCHMARKS.md)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -37,9 +40,16 @@ def test_lstm_and_gru_language_models_run_bit_exact() -> None:
     _check(bench_zoo.sweep(models))
 
 
+# One model of each optional zoo: the sweep of all 18 is several CPU minutes.
+SAMPLE = ("tv_resnet18", "timm_vit_tiny_patch16_224", "hf_gpt2")
+
+
 @pytest.mark.slow
-def test_every_installed_zoo_model_runs_bit_exact_without_a_crash() -> None:
-    models = zoo.zoo()
-    if len(models) == 2:
+@pytest.mark.timeout(900)
+def test_installed_zoo_models_run_bit_exact_without_a_crash() -> None:
+    models = [m for m in zoo.zoo() if m.zoo != "torch"]
+    if not models:
         pytest.skip(f"no optional zoo here: {zoo.skipped()}")
+    if os.environ.get("SHAREDMEM_ZOO", "").strip().lower() != "all":
+        models = [m for m in models if m.name in SAMPLE]
     _check(bench_zoo.sweep(models))
