@@ -104,7 +104,7 @@ def step_times(name: str, device: str, batch: int, quick: bool, progress: Progre
         fwd(x)
         sync()
 
-    rounds, number = (10, 3) if quick else (40, 5)
+    rounds, number = (10, 2) if quick else (40, 5)
     train = interleaved(
         {"eager": eager_train, "pooled": pooled_train},
         rounds=rounds,

@@ -57,7 +57,7 @@ def _compiled_peak(case: Case, batch: int) -> int | None:
     return allocator_peak(lambda: loss_fn(compiled(x), y).backward())
 
 
-def _figures(case: Case, batch: int, device: str, rounds: int) -> dict[str, float]:
+def _figures(case: Case, batch: int, device: str, rounds: int, number: int) -> dict[str, float]:
     _, make, data, loss_fn = case
     torch.manual_seed(0)
     eager = make()
@@ -97,7 +97,7 @@ def _figures(case: Case, batch: int, device: str, rounds: int) -> dict[str, floa
     times = interleaved(
         {"eager": timed(eager_step, eager), "pooled": timed(lambda: step(x, y), pooled)},
         rounds=rounds,
-        number=3,
+        number=number,
     )
     figures["eager time"], figures["pooled time"] = times["eager"], times["pooled"]
     return figures
@@ -114,7 +114,7 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
     for case in CASES:
         if progress is not None:
             progress.say(f"step memory: {case[0]} at batch {batch}")
-        figures = _figures(case, batch, device, rounds=5 if quick else 15)
+        figures = _figures(case, batch, device, rounds=5 if quick else 15, number=2 if quick else 3)
         for grads in ("none", "present"):
             eager, pooled = figures[f"eager {grads}"], figures[f"pooled {grads}"]
             ratio = pooled / eager

@@ -25,7 +25,7 @@ def run(
     progress = progress or Progress.quiet()
     out = io.StringIO()  # the runner's report and summary: the rows below say the same
     result = run_stress(
-        StressConfig(device, seconds=10.0 if quick else 60.0, seed=0), out, progress.stream()
+        StressConfig(device, seconds=5.0 if quick else 60.0, seed=0), out, progress.stream()
     )
     if result.mismatches:  # the seed and the shortest failing sequence: never swallow them
         for line in out.getvalue().splitlines():

@@ -86,7 +86,7 @@ def test_bench_quick_prints_every_row_and_the_json_matches(tmp_path: Path) -> No
     ):
         assert figure in names
     # Progress goes to stderr: a line per section, and the stress runner's status during its
-    # fixed-length run (10 s), which used to be thrown away.
+    # fixed-length run (5 s with --quick), which used to be thrown away.
     assert "bench: [" not in done.stdout
     progress = done.stderr.splitlines()
     starts = [i for i, line in enumerate(progress) if line.startswith("bench: [")]
