@@ -5,6 +5,7 @@ CUDA backends each fail one of those tests.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -423,10 +424,37 @@ def test_every_plant_still_finds_its_line() -> None:
         plant(each)()  # planted and taken out again; raises when the line is gone
 
 
+# Runs pytest once per planted bug, each in a fork of one process that has imported torch,
+# pytest and the package already (a fresh interpreter per plant spent most of its time there).
+_PLANTED_RUNS = """
+import json, os, sys
+import pytest, torch, sharedmem, cudasim  # noqa: F401  (imported once, before the forks)
+
+runs, out = json.loads(sys.argv[1]), sys.argv[2]
+children = {}
+for each, where, catches in runs:
+    pid = os.fork()
+    if pid == 0:
+        log = os.open(os.path.join(out, each), os.O_WRONLY | os.O_CREAT)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ["CUDASIM_PLANT"] = each
+        args = ["-q", "-x", "-p", "no:cacheprovider", "-p", "cudasim.plants", where, "-k", catches]
+        code = pytest.main(args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(code))
+    children[each] = pid
+codes = {each: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for each, pid in children.items()}
+print(json.dumps(codes))
+"""
+
+
 @pytest.mark.slow  # a pytest run per planted bug
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(HAS_CUDA, reason="plants bugs on the stand-in only, never on a real GPU")
-def test_every_planted_bug_fails_a_cuda_test(seed: int) -> None:
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
+def test_every_planted_bug_fails_a_cuda_test(seed: int, tmp_path: Path) -> None:
     # Each run draws its schedules from this test's seed, so a survivor can be run again.
     env = {
         **os.environ,
@@ -434,22 +462,19 @@ def test_every_planted_bug_fails_a_cuda_test(seed: int) -> None:
         "SHAREDMEM_SEED": str(seed),
     }
     env.pop("PYTEST_ADDOPTS", None)
-    runs = {
-        each: subprocess.Popen(
-            [
-                *(sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"),
-                *("-p", "cudasim.plants", spec.where, "-k", spec.catches),
-            ],
-            cwd=ROOT,
-            env={**env, "CUDASIM_PLANT": each},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for each, spec in PLANTS.items()
-    }
-    outcomes = {each: (run.communicate()[0], run.returncode) for each, run in runs.items()}
-    for each, (out, code) in outcomes.items():
+    runs = [(each, spec.where, spec.catches) for each, spec in PLANTS.items()]
+    done = subprocess.run(
+        [sys.executable, "-c", _PLANTED_RUNS, json.dumps(runs), str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    codes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(codes) == sorted(PLANTS)
+    for each, code in codes.items():
+        out = (tmp_path / each).read_text()
         last = out.strip().splitlines()[-1] if out.strip() else ""
         assert code != 0 and ("1 failed" in last or code < 0), f"{each}: {out[-3000:]}"
 
