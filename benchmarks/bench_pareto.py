@@ -24,7 +24,8 @@ skipped with a line saying so.
 
 A planner point is "met" where no checkpoint or compile point beats it on both memory and
 time. ``--png`` draws the points (peak / eager against time / eager, one panel per model).
-``--quick`` runs a small hand-written CNN without compile (only to exercise this script).
+``--quick`` runs a small hand-written CNN without compile and with one max_slowdown point, the
+least memory (only to exercise this script).
 
     python benchmarks/bench_pareto.py [--quick] [--json PATH] [--png PATH]
 """
@@ -192,7 +193,7 @@ class _Case:
     said: Callable[[], str] = lambda: ""
 
 
-def _cases(built: Built, *, compile_too: bool) -> list[_Case]:
+def _cases(built: Built, *, compile_too: bool, slowdowns: tuple[float, ...]) -> list[_Case]:
     model, x, y, loss_fn = built
     model.train()
 
@@ -248,7 +249,7 @@ def _cases(built: Built, *, compile_too: bool) -> list[_Case]:
     default = planner("planner, default")
     default.measured = own_peak.append
     cases.append(default)
-    for slowdown in SLOWDOWNS:
+    for slowdown in slowdowns:
         cases.append(planner(f"planner, max_slowdown {slowdown}", max_slowdown=slowdown))
     cases.append(planner("planner, least memory", max_slowdown=100.0))
 
@@ -395,7 +396,9 @@ def _model_points(
         if progress is not None:
             progress.say(f"{name} skipped ({missing})")
         return []
-    cases = _cases(built, compile_too=not quick)
+    # --quick: the planner's least-memory point stands for its max_slowdown settings (one
+    # recomputation search instead of four).
+    cases = _cases(built, compile_too=not quick, slowdowns=() if quick else SLOWDOWNS)
     return _measure(name, cases, 3 if quick else 7, progress)
 
 
