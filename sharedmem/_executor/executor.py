@@ -143,8 +143,10 @@ class Executor:
         # the first call to plan with ``out=`` kernels only.
         self.routing = True
         # A step made only to be planned (``sm.estimate``): it plans as the router would
-        # serve it but never builds or installs the router (no process-wide effect).
+        # serve it but never builds or installs the router (no process-wide effect), and
+        # measures kernels (under the router) only where told to.
         self.planning_only = False
+        self.measure_kernels = True
 
     def _loss_functions(self) -> list[tuple[str, object]]:
         """The callables a trace runs besides the model (a train step's loss function)."""
@@ -308,7 +310,7 @@ class Executor:
         """What running ``traced`` would ask of the pool and beside it, without running it or
         growing anything (the planning layer's estimate stands on this)."""
         traced, _ = self._recompute(traced, recompute)
-        analysis = analyse(traced.gm, self.device)
+        analysis = analyse(traced.gm, self.device, measure=self.measure_kernels)
         routed = self._routed(outputs_in_pool)
         plan = self._plan(analysis, traced, outputs_in_pool, routed=routed)
         # A routed step's arena grows when its signature is recorded, not when it compiles:

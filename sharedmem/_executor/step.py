@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 
 from .._errors import SharedMemError
 from .._pool import BufferPool
+from .._routing import CallPeak
 from .._validate import check_loss_fn
 from .accumulate import accumulating, obeys_layout, relayout
 from .binding import State
@@ -119,7 +120,29 @@ class _Step(Executor):
     def __init__(self, model: object, pool: BufferPool, plan: object, prefix: object) -> None:
         super().__init__(model, pool, plan, prefix)
         self.budget_policy: BudgetPolicy | None = None
-        self.last_call: CallFigures | None = None
+        # The latest call, kept raw (figures are made when read: a call pays a tuple for
+        # them), or a chunked call's figures, set by its budget policy.
+        self._last_run: _Run | None = None
+        self._last_chunked: CallFigures | None = None
+
+    @property
+    def last_call(self) -> CallFigures | None:
+        """The latest call's figures: its peak, planned and measured, and with a budget
+        whether it held it (``None`` before the first call)."""
+        if self._last_chunked is not None:
+            return self._last_chunked
+        return None if self._last_run is None else self._figures(self._last_run)
+
+    @last_call.setter
+    def last_call(self, figures: CallFigures) -> None:
+        self._last_chunked = figures
+
+    def _ran(self, compiled: Compiled, budget: int | None, recompute: Recompute) -> None:
+        """Keep what the call of ``compiled`` that just ran needs for its figures."""
+        route = compiled.route
+        peak = None if route is None else route.last_peak
+        self._last_run = _Run(compiled, peak, self.pool.reserved_after({}), budget, recompute)
+        self._last_chunked = None
 
     # ---- the budget, where there is one ---------------------------------------------------
 
@@ -181,12 +204,11 @@ class _Step(Executor):
             rows += ["  " + line for line in self.budget_policy.report_lines()]
         return "\n".join(rows)
 
-    def _measure(self, compiled: Compiled, budget: int | None = None) -> CallFigures:
-        """The figures of the call of ``compiled`` that just ran."""
+    def _figures(self, run: _Run) -> CallFigures:
+        """The figures of the call ``run``."""
+        compiled, peak = run.compiled, run.peak
         summary = compiled.summary
         planned = routed_summary(compiled).planned_peak
-        route = compiled.route
-        peak = None if route is None else route.last_peak
         if peak is not None:
             arena, beside = peak.arena_bytes, peak.beside_peak
             how = (
@@ -200,15 +222,26 @@ class _Step(Executor):
             arena = sum(self.pool.device_capacity(name) for name in self.slot_names())
             beside = summary.planned_peak - summary.pooled_bytes
             how = "no router: the slot buffers and the plan's peak beside them"
-        reserved = self.pool.stats()["device_reserved_bytes"]
         return CallFigures(
             signature=summary.signature,
             planned_peak=planned,
             measured_peak=arena + beside,
             measured=how,
-            budget=budget,
-            budget_counted=reserved + beside,
+            recompute=run.recompute,
+            budget=run.budget,
+            budget_counted=run.reserved + beside,
         )
+
+
+class _Run(NamedTuple):
+    """What a call leaves for its figures: its graph, the router's view of it, the pool's
+    reserved bytes after it, its budget and its recomputation."""
+
+    compiled: Compiled
+    peak: CallPeak | None
+    reserved: int
+    budget: int | None
+    recompute: Recompute
 
 
 class PooledTrainStep(_Step):
@@ -376,7 +409,7 @@ class PooledTrainStep(_Step):
                     hook(p)  # as autograd does once the gradient is accumulated
         if self._sync is not None:
             self._sync.finish()
-        self.last_call = self._measure(compiled, budget)._replace(recompute=recompute)
+        self._ran(compiled, budget, recompute)
         result: torch.Tensor = loss if compiled.owned[0] else loss.clone()
         return result
 
@@ -498,6 +531,17 @@ class PooledForward(_Step):
             )
         self.outputs_in_pool = outputs_in_pool
 
+    @property
+    def forward(self) -> PooledForward:
+        """Deprecated: the forward itself (a budgeted forward was once a wrapper around one)."""
+        warnings.warn(
+            "sharedmem: fwd.forward is deprecated: a budgeted forward is the forward itself "
+            "now; use it directly",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self
+
     def __call__(self, inputs: object) -> Any:
         """Run the forward without autograd and return the model's output."""
         if self.budget_policy is not None:
@@ -531,7 +575,7 @@ class PooledForward(_Step):
         outputs = self._run(compiled, binding, [*state.params, *state.buffers, *x.tensors])
         if self.ddp is not None:
             after_forward(self.ddp, synced_backward=False)
-        self.last_call = self._measure(compiled, budget)
+        self._ran(compiled, budget, Recompute.OFF)
         assert compiled.out_spec is not None
         return pytree.tree_unflatten(outputs, compiled.out_spec)
 

@@ -32,6 +32,7 @@ from .._executor.executor import MemoryPlan
 from .._executor.policy import Recompute
 from .._pool import BufferPool
 from .._pool.report import human_bytes
+from .._routing import loaded, native
 from .._validate import call_loss_fn, check_loss_fn
 from .budget import parse_bytes
 from .live import LiveBytes, round_for
@@ -74,6 +75,8 @@ class MemoryEstimate:
             ``Recompute.within(1.35)`` and ``Recompute.MOST`` (what ``recompute=`` and a
             budget choose from). Without an optimizer, the last pair's peak is the figure a
             budgeted step's ``report()`` gives for what recomputation reaches.
+        kernels_measured: whether kernels' scratch was measured on this CPU (else modelled;
+            see ``estimate``'s ``measure_kernels``).
     """
 
     device: str
@@ -86,6 +89,7 @@ class MemoryEstimate:
     step_peak_eager: int = 0
     step_peak_pooled: int = 0
     time_for_memory: tuple[tuple[float, int], ...] = ()
+    kernels_measured: bool = False
 
     def fits(self, budget: int | str, *, pooled: bool = True) -> bool:
         """Whether the train step (pooled unless ``pooled=False``) fits ``budget`` (bytes, or
@@ -112,6 +116,11 @@ class MemoryEstimate:
     def report(self) -> str:
         """A table a person reads: the peaks, the categories, the biggest modules."""
         rows = [f"memory estimate on {self.device} (nothing was allocated to make it)"]
+        if self.device == "cpu" and not self.kernels_measured:
+            rows.append(
+                "  kernels' scratch modelled, not measured (measure_kernels=True measures it, "
+                "installing the routing allocator)"
+            )
         rows.append(f"  {'':<22}{'eager':>16}{'pooled':>16}")
         for label, eager, pooled in (
             ("train step peak", self.train_peak_eager, self.train_peak_pooled),
@@ -145,6 +154,7 @@ def estimate(
     loss_fn: Loss | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     device: object = "cpu",
+    measure_kernels: bool | None = None,
 ) -> MemoryEstimate:
     """Estimate a train step's and an evaluation's memory without running them.
 
@@ -161,9 +171,11 @@ def estimate(
     reducer's gradient buckets (the bytes of the parameters it reduces, held for the whole
     run) in the peaks and under ``gradients``.
 
-    Not modelled: cuDNN/cuBLAS workspaces, the CUDA context, fragmentation of the caching
-    allocator (blocks are rounded to 512 bytes, nothing more), the vmm backend's 2 MiB chunk
-    granularity, and memory a custom autograd function or a hook allocates outside ATen ops.
+    ``kernels_measured`` says whether kernels' scratch was measured or modelled
+    (``measure_kernels``). Not modelled: cuDNN/cuBLAS workspaces, the CUDA context,
+    fragmentation of the caching allocator (blocks are rounded to 512 bytes, nothing more),
+    the vmm backend's 2 MiB chunk granularity, and memory a custom autograd function or a
+    hook allocates outside ATen ops.
 
     Args:
         model: the module (training mode is used for the train step, eval for evaluation).
@@ -173,6 +185,13 @@ def estimate(
         loss_fn: ``loss_fn(output, targets)`` returns the scalar loss.
         optimizer: its class and hyperparameters give the state and step temporaries.
         device: the device the figures are for.
+        measure_kernels: on ``"cpu"``, measure what kernels hold beyond their results
+            (oneDNN's scratch, an RNN's workspace) by running each configuration once under
+            the routing allocator. ``None`` (the default): where the router is installed in
+            this process already (a pooled step ran), else modelled; an estimate never
+            builds or installs it on its own, so it changes nothing in the process.
+            ``True``: build and install it now to measure (process-wide, as a pooled step
+            would); ``False``: modelled.
 
     Example::
 
@@ -195,6 +214,7 @@ def estimate(
             f"sharedmem: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     name = _device_name(device)
+    measure = measures_kernels(name, measure_kernels)
     rounding = round_for(name)
     inputs = plain_mapping(inputs)
     # Under DistributedDataParallel: this rank's module, plus the reducer's gradient buckets
@@ -207,11 +227,11 @@ def estimate(
     try:
         model.train()
         train = eager_train(
-            model, inputs, targets, loss, optimizer, rounding, measure=name == "cpu",
+            model, inputs, targets, loss, optimizer, rounding, measure=measure,
             keep_output=True,
         )  # fmt: skip
         if any(p.requires_grad for p in model.parameters()):
-            pooled = _planning_only(PooledTrainStep(model, loss, BufferPool("cpu")))
+            pooled = _planning_only(PooledTrainStep(model, loss, BufferPool("cpu")), measure)
             train_plan = pooled.memory_plan(_real(inputs), _real(targets))
             recomputed = _time_for_memory(
                 pooled,
@@ -221,12 +241,12 @@ def estimate(
                 _own_peak(train, buckets, rounding),
             )
         else:  # a frozen model: its "train step" is a training-mode forward and the loss
-            forward = _planning_only(PooledForward(model, BufferPool("cpu")))
+            forward = _planning_only(PooledForward(model, BufferPool("cpu")), measure)
             train_plan = forward.memory_plan(_real(inputs))
             recomputed = []
         model.eval()
-        eval_peak, out_bytes = _eager_eval(model, inputs, rounding, measure=name == "cpu")
-        evaluation = _planning_only(PooledForward(model, BufferPool("cpu")))
+        eval_peak, out_bytes = _eager_eval(model, inputs, rounding, measure=measure)
+        evaluation = _planning_only(PooledForward(model, BufferPool("cpu")), measure)
         eval_plan = evaluation.memory_plan(_real(inputs))
     finally:
         model.train(was_training)
@@ -260,7 +280,19 @@ def estimate(
         step_peak_eager=train_peak_eager - static + buckets - state,
         step_peak_pooled=step_peak_pooled,
         time_for_memory=tuple(recomputed),
+        kernels_measured=measure,
     )
+
+
+def measures_kernels(device: str, ask: bool | None) -> bool:
+    """Whether kernels' scratch is measured for ``device`` (``ask``: as ``estimate``'s
+    ``measure_kernels``): on CPU, by the router where it is installed already, or where
+    asked for (installed now)."""
+    if device != "cpu" or ask is False:
+        return False
+    if ask:
+        return native() is not None
+    return loaded() is not None
 
 
 def _own_peak(
@@ -301,9 +333,11 @@ def _time_for_memory(
 _Planned = TypeVar("_Planned", PooledTrainStep, PooledForward)
 
 
-def _planning_only(step: _Planned) -> _Planned:
-    """``step``, planning as the router would serve it without building or installing it."""
+def _planning_only(step: _Planned, measure: bool) -> _Planned:
+    """``step``, planning as the router would serve it without building or installing it,
+    kernels measured where ``measure`` says."""
     step.planning_only = True
+    step.measure_kernels = measure
     return step
 
 

@@ -39,7 +39,7 @@ from .chunking import (
     reduction_of,
     warn_once,
 )
-from .estimate import eager_train
+from .estimate import eager_train, measures_kernels
 from .live import round_for
 
 __all__ = ["EagerFitStep", "ForwardBudget", "TrainBudget", "planned_peak"]
@@ -447,6 +447,7 @@ class TrainBudget(Fitted):
             figures.append(runner.last_call)
         assert total is not None
         step.last_call = _chunked(figures, chunks, budget, self._new_grad_bytes(before))
+        step._last = runner._last  # plan_summary() and source(): the chunks' graph
         return total
 
     def _new_grad_bytes(self, absent: list[bool]) -> int:
@@ -738,7 +739,7 @@ class EagerFitStep(Fitted):
         rounding = round_for(str(self.device))
         train = eager_train(
             self.model, part.inputs, part.targets, self.loss_fn, None, rounding,
-            measure=str(self.device) == "cpu",
+            measure=measures_kernels(str(self.device), None),
         )  # fmt: skip
         held = _grad_bytes(self.model, rounding) if accumulating or chunks > 1 else 0
         beside = {
