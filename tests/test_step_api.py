@@ -131,6 +131,14 @@ def test_a_budgeted_step_says_whether_each_call_held_its_budget_as_the_allocator
         assert ("held its budget" in step.report()) == bool(last.held_budget)
 
 
+def test_a_budgets_warnings_point_at_the_callers_line() -> None:
+    x, y = batch(8)
+    step = sm.pooled_train_step(mlp(), F.mse_loss, pool=sm.BufferPool("cpu"), chunks=200)
+    with pytest.warns(UserWarning, match="chunks=200") as said:
+        step(x, y)
+    assert [w.filename for w in said] == [__file__], [str(w.message) for w in said]
+
+
 # ---- names --------------------------------------------------------------------------------------
 
 

@@ -37,6 +37,7 @@ from .chunking import (
     WeightedLoss,
     batch_stat_modules,
     reduction_of,
+    user_stacklevel,
     warn_once,
 )
 from .estimate import eager_train, measures_kernels
@@ -184,7 +185,7 @@ class Fitted:
                     f"{'' if total == 1 else 's'}, the most chunks it can run in: it runs in "
                     f"{chunks} chunks of one example (said once per batch shape)",
                     UserWarning,
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
             self._remember(inputs, targets, chunks)
             return chunks
