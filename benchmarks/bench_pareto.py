@@ -12,7 +12,8 @@ process, against eager's:
   (timm's ``set_grad_checkpointing``);
 - **compile b**: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``
   at b = 1.0, 0.5 and 0.1 (the partitioner's knapsack over the joint graph);
-- **planner**: ``sm.pooled_train_step`` by default, with ``max_slowdown`` 1.05, 1.15 and
+- **planner**: ``sm.pooled_train_step`` by default, with ``recompute=sm.Recompute.within(s)``
+  for ``s`` in 1.05, 1.15 and
   1.35 (the least memory recomputation reaches within that modelled time), and with
   ``budget=`` half the default's own peak (recomputation where it reaches, else chunks).
 
@@ -250,8 +251,10 @@ def _cases(built: Built, *, compile_too: bool, slowdowns: tuple[float, ...]) -> 
     default.measured = own_peak.append
     cases.append(default)
     for slowdown in slowdowns:
-        cases.append(planner(f"planner, max_slowdown {slowdown}", max_slowdown=slowdown))
-    cases.append(planner("planner, least memory", max_slowdown=100.0))
+        cases.append(
+            planner(f"planner, max_slowdown {slowdown}", recompute=sm.Recompute.within(slowdown))
+        )
+    cases.append(planner("planner, least memory", recompute=sm.Recompute.MOST))
 
     def half_budget() -> _Case:
         if not own_peak:

@@ -12,12 +12,14 @@ from ._backends import backend_names
 from ._blob import Blob
 from ._devices import available_devices
 from ._errors import OutOfMemoryError, SharedMemError
+from ._executor.policy import Recompute
 from ._offload import save_on_pool
 from ._planning import (
     MemoryEstimate,
     MemoryTracker,
     PhaseMemory,
     estimate,
+    fit_eager_step,
     fit_step,
     pooled_forward,
     pooled_train_step,
@@ -37,12 +39,14 @@ __all__ = [
     "MemoryTracker",
     "OutOfMemoryError",
     "PhaseMemory",
+    "Recompute",
     "SharedMemError",
     "SyncedMemory",
     "__version__",
     "available_devices",
     "backend_names",
     "estimate",
+    "fit_eager_step",
     "fit_step",
     "install_cuda_router",
     "pooled_forward",

@@ -9,6 +9,7 @@ arguments are refused.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ from torch import nn
 
 import sharedmem as sm
 from sharedmem._executor import cost
-from sharedmem._planning.fit import REFINE_STEPS, recompute_levels
+from sharedmem._planning.fit import REFINE_STEPS, planned_peak, recompute_levels
 from sharedmem.testing import allocator_peak
 
 F = nn.functional
@@ -111,7 +112,7 @@ def test_chunked_gradients_equal_the_whole_batchs_in_float64(
             assert loss.item() == pytest.approx(want_loss.item(), rel=1e-12), what
             assert_close(grads(pooled_model), want, 1e-6, what)
             eager_model = MODELS[kind](seed)
-            loss = sm.fit_step(eager_model, loss_fn, chunks=chunks)(x, y)
+            loss = sm.fit_eager_step(eager_model, loss_fn, chunks=chunks)(x, y)
             assert loss.item() == pytest.approx(want_loss.item(), rel=1e-12), what
             assert_close(grads(eager_model), want, 1e-6, what)
     finally:
@@ -128,7 +129,7 @@ def test_gradients_add_into_existing_grads_as_backward_does() -> None:
             F.mse_loss(ref(x), y).backward()
         for make_step in (
             lambda m: sm.pooled_train_step(m, F.mse_loss, pool=sm.BufferPool("cpu"), chunks=3),
-            lambda m: sm.fit_step(m, F.mse_loss, chunks=4),
+            lambda m: sm.fit_eager_step(m, F.mse_loss, chunks=4),
         ):
             model = mlp(0)
             step = make_step(model)
@@ -180,7 +181,7 @@ def test_a_users_split_weights_padded_sequences_by_their_tokens() -> None:
             lambda m: sm.pooled_train_step(
                 m, token_mean, pool=sm.BufferPool("cpu"), chunks=3, split=split
             ),
-            lambda m: sm.fit_step(m, token_mean, chunks=3, split=split),
+            lambda m: sm.fit_eager_step(m, token_mean, chunks=3, split=split),
         ):
             model = PerStep()
             loss = make_step(model)(x, (y, mask))
@@ -203,7 +204,7 @@ def test_the_loss_functions_own_reduction_is_read() -> None:
     for loss_fn, targets in cases:
         want_loss, want = eager_grads(mlp(0), loss_fn, x, targets)
         model = mlp(0)
-        loss = sm.fit_step(model, loss_fn, chunks=4)(x, targets)
+        loss = sm.fit_eager_step(model, loss_fn, chunks=4)(x, targets)
         assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5), loss_fn
         assert_close(grads(model), want, 1e-5, repr(loss_fn))
 
@@ -269,14 +270,16 @@ def test_the_chosen_count_is_the_fewest_the_budget_allows(kind: str) -> None:
         assert pool.stats()["reserved_bytes"] == 0, "choosing allocates nothing"
         assert chosen > 1
         # Judged as the choice was made: on the pool as it stood then.
-        fewer = step._need(x, y, chosen - 1, False)  # type: ignore[attr-defined]
+        fewer = step.budget_policy._need(x, y, chosen - 1, False)  # type: ignore[union-attr]
         assert fewer is None or fewer.total > budget, "the choice was the fewest"
         step(x, y)
         assert pool.stats()["peak_reserved_bytes"] <= budget
-        # What the step holds, the pool and beside it, as the allocator's events count it.
+        # What the step holds, the pool and beside it, as the allocator's events count it;
+        # the step says the same of itself.
         step.model.zero_grad(set_to_none=True)
         held = allocator_peak(functools.partial(step, x, y)) + pool.stats()["reserved_bytes"]
         assert held <= budget, (held, budget)
+        assert step.last_call is not None and step.last_call.held_budget, step.report()
 
 
 def test_the_same_budget_and_shapes_give_the_same_chunks() -> None:
@@ -301,7 +304,7 @@ def test_a_budget_is_bytes_or_a_size_as_the_command_line_writes_it() -> None:
         by_size = sm.pooled_train_step(cnn(0), F.mse_loss, pool=pool, budget=written)
         by_bytes = sm.pooled_train_step(cnn(0), F.mse_loss, pool=pool, budget=nbytes)
         assert by_size.budget == nbytes and by_size.chunks_for(x, y) == by_bytes.chunks_for(x, y)
-        assert sm.fit_step(cnn(0), F.mse_loss, budget=written).budget == nbytes
+        assert sm.fit_eager_step(cnn(0), F.mse_loss, budget=written).budget == nbytes
     est = sm.estimate(cnn(0), x, y, loss_fn=F.mse_loss)
     assert est.fits("8G") and not est.fits("1K")
 
@@ -313,7 +316,7 @@ def test_an_eager_budget_bounds_the_allocators_peak() -> None:
     for share in (0.5, 0.25):
         budget = int(whole * share)
         model = mlp(0)
-        step = sm.fit_step(model, F.mse_loss, budget=budget)
+        step = sm.fit_eager_step(model, F.mse_loss, budget=budget)
         assert step.chunks_for(x, y) > 1
         assert allocator_peak(functools.partial(step, x, y)) <= budget
 
@@ -321,7 +324,7 @@ def test_an_eager_budget_bounds_the_allocators_peak() -> None:
 def test_a_larger_budget_never_takes_more_chunks() -> None:
     gen = torch.Generator().manual_seed(0)
     x, y = data("mlp", 64, gen)
-    step = sm.fit_step(mlp(0), F.mse_loss, budget=10**9)
+    step = sm.fit_eager_step(mlp(0), F.mse_loss, budget=10**9)
     counts = []
     for budget in (30_000, 40_000, 80_000, 160_000, 10**9):
         step.budget = budget
@@ -348,7 +351,7 @@ def test_one_example_too_big_is_refused_before_running_naming_the_shortfall() ->
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(sm.OutOfMemoryError, match="budget"):
-        sm.fit_step(model, F.mse_loss, budget=64)(x, y)
+        sm.fit_eager_step(model, F.mse_loss, budget=64)(x, y)
 
 
 # ---- what chunking changes is said once ---------------------------------------------------------
@@ -374,7 +377,7 @@ def test_more_chunks_than_examples_run_one_example_a_chunk_and_say_so() -> None:
     pool = sm.BufferPool("cpu")
     for step, args in (
         (sm.pooled_train_step(mlp(0), F.mse_loss, pool=pool, chunks=100), (x, y)),
-        (sm.fit_step(mlp(0), F.mse_loss, chunks=100), (x, y)),
+        (sm.fit_eager_step(mlp(0), F.mse_loss, chunks=100), (x, y)),
         (sm.pooled_forward(mlp(0), pool=pool, chunks=100), (x,)),
     ):
         with pytest.warns(UserWarning, match=said + r": it runs in 4 chunks of one example"):
@@ -396,7 +399,7 @@ def test_an_unknown_reduction_is_assumed_a_mean_and_said_and_none_is_refused() -
     with pytest.warns(UserWarning, match="reduction='sum'"):
         step(x, y)
     with pytest.raises(ValueError, match="reduction='none'"):
-        sm.fit_step(mlp(0), nn.MSELoss(reduction="none"), chunks=2)
+        sm.fit_eager_step(mlp(0), nn.MSELoss(reduction="none"), chunks=2)
 
 
 # ---- evaluation is chunked too ------------------------------------------------------------------
@@ -435,11 +438,11 @@ def test_bad_arguments_say_what_is_wrong() -> None:
     ]:
         with pytest.raises(error, match=f"^sharedmem: .*{text}"):
             sm.pooled_train_step(mlp(0), F.mse_loss, pool=pool, **kwargs)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"^sharedmem: fit_step needs"):
-        sm.fit_step(mlp(0), F.mse_loss)
+    with pytest.raises(ValueError, match=r"^sharedmem: fit_eager_step needs"):
+        sm.fit_eager_step(mlp(0), F.mse_loss)
     with pytest.raises(TypeError, match=r"^sharedmem: model"):
-        sm.fit_step(object(), F.mse_loss, chunks=2)  # type: ignore[arg-type]
-    step = sm.fit_step(mlp(0), F.mse_loss, chunks=2)
+        sm.fit_eager_step(object(), F.mse_loss, chunks=2)  # type: ignore[arg-type]
+    step = sm.fit_eager_step(mlp(0), F.mse_loss, chunks=2)
     with pytest.raises(ValueError, match=r"^sharedmem: the inputs hold 8 examples .* targets 6"):
         step(torch.randn(8, 12), torch.randn(6, 5))
     with pytest.raises(ValueError, match=r"^sharedmem: to split a batch"):
@@ -498,12 +501,18 @@ def test_where_recomputation_cannot_meet_a_budget_the_report_says_what_bounds_it
     assert low.chunks_for(x, y) > 1 and not low.recomputing
     ((least, floor, op),) = low.unreached.values()
     assert budget < least and 0 < floor <= least
+    # One figure for what recomputation reaches: the plan's own peak, as the estimate gives it.
+    estimated = sm.estimate(deep_cnn(0), x, y, loss_fn=F.mse_loss).time_for_memory
+    assert least == estimated[-1][1], (least, estimated)
+    most_plan = sm.pooled_train_step(
+        deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), recompute=sm.Recompute.MOST
+    ).memory_plan(x, y)
+    assert least == planned_peak(most_plan) == most_plan.pooled_bytes + most_plan.beside_peak
     report = low.report()
     assert f"{least:,}" in report and f"{floor:,}" in report and op in report
     # The floor bounds what runs: the step recomputing as much as lowers its peak, measured.
     pool = sm.BufferPool("cpu")
-    most = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=pool)
-    most.recompute_heavy = True
+    most = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=pool, recompute=sm.Recompute.MOST)
     for _ in range(2):
         most.model.zero_grad(set_to_none=True)
         held = allocator_peak(functools.partial(most, x, y)) + pool.stats()["reserved_bytes"]
@@ -515,21 +524,20 @@ def test_a_budget_takes_the_least_recomputation_that_fits() -> None:
     budget = int(unchunked * 0.9)
     fitted = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=budget)
     assert fitted.chunks_for(x, y) == 1 and fitted.recomputing
-    chosen = fitted.recompute_heavy
-    assert chosen is not True and chosen is not False
+    chosen = fitted.recompute.max_slowdown
+    assert 1.0 < chosen < math.inf
     # Bisected over the levels, then between the two around it: a setting less by the last
     # step of that search (less recomputed) does not fit; the chosen one's cost is reported.
-    levels = [v for v in recompute_levels(None) if v is not True]
+    levels = [v.max_slowdown for v in recompute_levels(None) if v != sm.Recompute.MOST]
     upper = min(v for v in levels if v >= chosen)
-    below = max((v for v in levels if v < upper), default=0.0)
+    below = max((v for v in levels if v < upper), default=1.0)
     assert below < chosen <= upper
-    less = chosen - (upper - below) / 2**REFINE_STEPS
-    fitted.step.recompute_heavy = less if less > 1e-12 else False
-    assert not fitted._need(x, y, 1, False).fits(budget, None)  # type: ignore[union-attr]
-    fitted.step.recompute_heavy = False
+    less = sm.Recompute(max(1.0, chosen - (upper - below) / 2**REFINE_STEPS))
+    policy = fitted.budget_policy
+    assert policy is not None and not policy._need(x, y, 1, False, less).fits(budget, None)  # type: ignore[attr-defined]
     fitted(x, y)
-    summary = fitted.step.plan_summary()
-    assert 0 < summary.recompute_cost <= float(chosen)
+    summary = fitted.plan_summary()
+    assert 0 < summary.recompute_cost <= chosen - 1
     assert "modelled" in str(summary) and "modelled" in fitted.report()
 
 
@@ -571,12 +579,15 @@ def test_max_slowdown_caps_the_recomputation_a_budget_may_choose() -> None:
     assert capped.chunks_for(x, y) > 1 and not capped.recomputing
 
 
-def test_max_slowdown_alone_gives_the_least_memory_within_it_bit_for_bit() -> None:
+def test_recompute_within_gives_the_least_memory_within_it_bit_for_bit() -> None:
     x, y, unchunked = _cnn_batch()
     peaks = {}
     for slowdown in (1.05, 1.2, 1.5):
         step = sm.pooled_train_step(
-            deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), max_slowdown=slowdown
+            deep_cnn(0),
+            F.mse_loss,
+            pool=sm.BufferPool("cpu"),
+            recompute=sm.Recompute.within(slowdown),
         )
         plan = step.memory_plan(x, y)
         peaks[slowdown] = plan.pooled_bytes + plan.beside_peak
@@ -586,6 +597,21 @@ def test_max_slowdown_alone_gives_the_least_memory_within_it_bit_for_bit() -> No
         assert all(torch.equal(a.grad, b.grad) for a, b in pairs)  # type: ignore[arg-type]
         assert step.plan_summary().recompute_cost <= slowdown - 1
     assert unchunked > peaks[1.05] >= peaks[1.2] >= peaks[1.5], (unchunked, peaks)
+
+
+def test_max_slowdown_alone_is_deprecated_for_recompute_within_and_plans_the_same() -> None:
+    # max_slowdown has one meaning, the cap on a budget's choice; alone it asked for the
+    # least memory within it, which is spelled recompute=sm.Recompute.within(...) now.
+    x, y, _ = _cnn_batch()
+    with pytest.warns(DeprecationWarning, match=r"recompute=sm\.Recompute\.within\(1\.2\)"):
+        old = sm.pooled_train_step(
+            deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), max_slowdown=1.2
+        )
+    new = sm.pooled_train_step(
+        deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), recompute=sm.Recompute.within(1.2)
+    )
+    assert old.recompute == new.recompute == sm.Recompute(1.2)
+    assert old.memory_plan(x, y) == new.memory_plan(x, y)
 
 
 @pytest.mark.parametrize(
@@ -609,12 +635,34 @@ def test_max_slowdown_with_fixed_chunks_says_to_give_a_budget() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"recompute": 1.3}, TypeError, r"recompute must be a sharedmem\.Recompute"),
+        ({"recompute": sm.Recompute.MOST, "budget": 10**6}, ValueError, "give one or the other"),
+        ({"recompute": sm.Recompute.within(1.2), "chunks": 2}, ValueError, "give one or"),
+    ],
+)
+def test_a_bad_recompute_is_refused(kwargs: dict[str, object], error: type, match: str) -> None:
+    with pytest.raises(error, match=f"^sharedmem: .*{match}"):
+        sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), **kwargs)  # type: ignore[arg-type]
+
+
+def test_recompute_is_a_record_that_says_one_thing() -> None:
+    assert sm.Recompute() == sm.Recompute.OFF and not sm.Recompute.OFF.costly
+    assert sm.Recompute.within(1.3) == sm.Recompute(1.3) != sm.Recompute.MOST
+    # Up to the step's own time again (2.0) and as much as lowers the peak are two keys.
+    assert len({sm.Recompute(2.0), sm.Recompute.MOST, sm.Recompute.adding(True)}) == 2
+    for bad, error in (("1.3", TypeError), (True, TypeError), (0.9, ValueError)):
+        with pytest.raises(error, match=r"^sharedmem: Recompute's max_slowdown"):
+            sm.Recompute(bad)  # type: ignore[arg-type]
+
+
 def test_recomputing_up_to_the_whole_step_and_as_much_as_lowers_the_peak_are_two_plans() -> None:
-    # True == 1.0 in Python: the two settings must still compile two graphs, not share one.
+    # Up to +100% (max_slowdown 2.0) and as much as lowers the peak: two graphs, not one.
     x, y, _ = _cnn_batch()
     step = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"))
-    for setting in (1.0, True):
-        step.recompute_heavy = setting
+    for setting in (sm.Recompute(2.0), sm.Recompute.MOST):
         step.model.zero_grad(set_to_none=True)  # the same signature, gradients and all
-        step(x, y)
+        step._call(x, y, setting)
     assert len(step.plan_summaries()) == 2

@@ -34,6 +34,7 @@ from .distributed import grad_taps, unwrap
 from .graph import Analysis, analyse, op_name
 from .placement import as_recording, place, timeline_peak
 from .plan import PLANS, Lifetime, PlanSummary, assign_slots, merge
+from .policy import Recompute
 from .recompute import recompute
 from .trace import Leaves, Traced
 
@@ -141,11 +142,11 @@ class Executor:
         # Served through the routing allocator where it can be (see ``_routed``); set before
         # the first call to plan with ``out=`` kernels only.
         self.routing = True
-        # Also recompute convolutions and matrix products (time for memory): ``True`` as many
-        # as lower the peak, a number up to that fraction of the step's modelled time (see
-        # ``recompute``); set by a budget the step meets this way without chunks, or by
-        # ``max_slowdown``; part of every compiled step's key.
-        self.recompute_heavy: bool | float = False
+        # A step made only to be planned (``sm.estimate``): it plans as the router would
+        # serve it but never builds or installs the router (no process-wide effect), and
+        # measures kernels (under the router) only where told to.
+        self.planning_only = False
+        self.measure_kernels = True
 
     def _loss_functions(self) -> list[tuple[str, object]]:
         """The callables a trace runs besides the model (a train step's loss function)."""
@@ -228,6 +229,7 @@ class Executor:
         autocast: bool,
         outputs_in_pool: bool,
         grad_ready: Callable[[int, torch.Tensor], None] | None = None,
+        recompute: Recompute = Recompute.OFF,
     ) -> Compiled:
         """Plan ``traced``'s intermediates into pool slots and generate its runner.
 
@@ -240,8 +242,10 @@ class Executor:
             outputs_in_pool: the graph's outputs may be pool views (``pooled_forward``).
             grad_ready: for a train graph, called as ``grad_ready(k, grad)`` as soon as the
                 ``k``-th gradient is final (a DDP bucket's all-reduce starts there).
+            recompute: what the planner may compute again in backward (part of the key the
+                caller caches the result under).
         """
-        traced, recomputed = self._recompute(traced)
+        traced, recomputed = self._recompute(traced, recompute)
         gm = traced.gm
         routed = self._routed(outputs_in_pool)
         # A routed call's first run records its allocations, kernels' scratch included:
@@ -297,14 +301,16 @@ class Executor:
             and self.plan == "liveness"
             and not outputs_in_pool
             and self._device_type in ("cpu", "cuda")
-            and routes_on(self.pool)
+            and routes_on(self.pool, build=not self.planning_only)
         )
 
-    def _memory_plan(self, traced: Traced, *, outputs_in_pool: bool) -> MemoryPlan:
+    def _memory_plan(
+        self, traced: Traced, *, outputs_in_pool: bool, recompute: Recompute = Recompute.OFF
+    ) -> MemoryPlan:
         """What running ``traced`` would ask of the pool and beside it, without running it or
         growing anything (the planning layer's estimate stands on this)."""
-        traced, _ = self._recompute(traced)
-        analysis = analyse(traced.gm, self.device)
+        traced, _ = self._recompute(traced, recompute)
+        analysis = analyse(traced.gm, self.device, measure=self.measure_kernels)
         routed = self._routed(outputs_in_pool)
         plan = self._plan(analysis, traced, outputs_in_pool, routed=routed)
         # A routed step's arena grows when its signature is recorded, not when it compiles:
@@ -321,17 +327,13 @@ class Executor:
             floor_op=analysis.floor_op,
         )
 
-    def _recompute_key(self) -> tuple[str, float | bool]:
-        """``recompute_heavy`` in a compiled step's key: with its type, since ``True`` (as
-        much as lowers the peak) equals ``1.0`` (up to the step's own time) as a number."""
-        return type(self.recompute_heavy).__name__, self.recompute_heavy
-
-    def _recompute(self, traced: Traced) -> tuple[Traced, int]:
-        """``traced`` with its cheap long-idle values computed again where read late (see
-        ``recompute``), and how many; the per-node baseline keeps the graph as traced."""
+    def _recompute(self, traced: Traced, policy: Recompute) -> tuple[Traced, int]:
+        """``traced`` with its cheap long-idle values computed again where read late (and,
+        as ``policy`` allows, its costly ones: see ``recompute``), and how many; the
+        per-node baseline keeps the graph as traced."""
         if self.plan != "liveness":
             return traced, 0
-        gm, count = recompute(traced.gm, heavy=self.recompute_heavy)
+        gm, count = recompute(traced.gm, heavy=policy.heavy)
         return (dataclasses.replace(traced, gm=gm), count) if count else (traced, 0)
 
     def _plan(
@@ -475,6 +477,7 @@ class Executor:
             recompute_cost=float(gm.meta.get("recompute_cost", 0.0)),
             floor=analysis.floor,
             floor_op=analysis.floor_op,
+            planned_peak=sum(alone.values()) + plan.beside_peak,
         )
 
     def _mark_planned(self) -> None:
@@ -545,6 +548,7 @@ def routed_summary(compiled: Compiled) -> PlanSummary:
         unpooled_bytes=plan.beside_bytes,
         unpooled_ops=(),
         routed=route.describe(),
+        planned_peak=plan.need + plan.beside_peak,
     )
 
 

@@ -185,6 +185,11 @@ class PlanSummary:
             and measured scratch, beside the gradients and other returned values made before
             it): no placement and no recomputation of these ops goes below it.
         floor_op: that op, and where in the model it comes from.
+        planned_peak: the plan's peak: the pool bytes it uses (on a pool of its own) and the
+            most bytes beside the pool live at once in a call (gradients and loss included).
+        measured_peak: the latest call's peak as it ran (``None`` before a call, or on a
+            summary of a graph that is not the latest); see ``measured``.
+        measured: how ``measured_peak`` was measured, in words.
     """
 
     plan: str
@@ -202,6 +207,9 @@ class PlanSummary:
     recompute_cost: float = 0.0
     floor: int = 0
     floor_op: str = ""
+    planned_peak: int = 0
+    measured_peak: int | None = None
+    measured: str = ""
 
     @property
     def saved_bytes(self) -> int:
@@ -221,7 +229,13 @@ class PlanSummary:
             f"{self.pooled_bytes:,} bytes (one buffer per node: {self.per_node_bytes:,}; "
             f"saved {self.saved_bytes:,}, {self.saving:.0%}); added to the pool: "
             f"{self.added_bytes:,} bytes; "
-            f"unpooled per call: {self.unpooled_bytes:,} bytes ({ops})"
+            f"allocated beside the pool per call: {self.unpooled_bytes:,} bytes in all, a sum "
+            f"of allocations, not a peak ({ops}); peak: planned {self.planned_peak:,} bytes"
+            + (
+                f", measured {self.measured_peak:,} bytes in the latest call ({self.measured})"
+                if self.measured_peak is not None
+                else ""
+            )
             + (f"; {self.recomputed} values recomputed in backward" if self.recomputed else "")
             + (
                 f" (modelled +{self.recompute_cost:.0%} time)"

@@ -8,7 +8,7 @@ what they are), ``track`` and ``track_report`` (the per-phase tracker and its re
 from __future__ import annotations
 
 from .estimate import CATEGORIES, MemoryEstimate, estimate
-from .steps import fit_step, pooled_forward, pooled_train_step
+from .steps import fit_eager_step, fit_step, pooled_forward, pooled_train_step
 from .track import MemoryTracker, PhaseMemory, track_memory
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "MemoryTracker",
     "PhaseMemory",
     "estimate",
+    "fit_eager_step",
     "fit_step",
     "pooled_forward",
     "pooled_train_step",

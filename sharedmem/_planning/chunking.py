@@ -9,8 +9,10 @@ by its share ``n_k / B``; a sum-reduced loss is the plain sum of its chunks'. Th
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -204,4 +206,16 @@ def warn_once(flag: list[bool], message: str) -> None:
     """Warn with ``message`` the first time only (``flag`` holds whether it was said)."""
     if not flag:
         flag.append(True)
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
+
+
+_PACKAGE = str(Path(__file__).resolve().parent.parent)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside this package
+    (a step's policy is a few calls deep, and how many depends on the path)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

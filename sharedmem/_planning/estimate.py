@@ -4,15 +4,18 @@ The eager figures come from running the step on fake tensors (no memory is alloc
 dispatch mode that counts the bytes every op creates while they are alive (``live``); the
 optimizer's state and its step's temporaries come from running a copy of the optimizer, of the
 same class and hyperparameters, on the fake parameters: the optimizer's own rules, not a table.
-The pooled figures are the executor's own plan for the same signature (``memory_plan``).
+The pooled figures are the executor's own plan for the same signature (``memory_plan``),
+planned as the routing allocator would serve it without building or installing it: an
+estimate changes nothing in the process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -26,8 +29,10 @@ from .._executor import PooledForward, PooledTrainStep
 from .._executor.calling import OwnLoss, model_arguments, plain_mapping
 from .._executor.distributed import bucket_bytes, unwrap
 from .._executor.executor import MemoryPlan
+from .._executor.policy import Recompute
 from .._pool import BufferPool
 from .._pool.report import human_bytes
+from .._routing import loaded, native
 from .._validate import call_loss_fn, check_loss_fn
 from .budget import parse_bytes
 from .live import LiveBytes, round_for
@@ -52,7 +57,8 @@ class MemoryEstimate:
     command line's ``--budget``): what the step itself holds beyond what exists before it (the
     pool's buffers, what runs beside the pool, the gradients), not the parameters, inputs and
     optimizer state; ``step_peak_eager`` / ``step_peak_pooled`` are those figures. Whether a
-    whole train step fits a device's memory, everything included, is ``fits_memory``.
+    whole train step fits a device's memory, everything included, is
+    ``train_peak_pooled <= memory`` (``fits_memory``, which said so, is deprecated).
 
     Attributes:
         device: the device the figures are for (its allocator's rounding is applied).
@@ -64,8 +70,13 @@ class MemoryEstimate:
         module_activation_bytes: per module path (``""`` is the model), the bytes saved for
             backward while that module ran; a container counts its children's.
         time_for_memory: what recomputation offers the pooled train step, bit for bit:
-            ``(modelled slowdown, step_peak_pooled)`` pairs, for at most +35% time and for
-            as much as lowers the peak (what ``max_slowdown=`` and a budget choose from).
+            ``(modelled time added, step_peak_pooled)`` pairs, the time as a fraction of the
+            step's own (0.35: +35%, a ``max_slowdown`` of 1.35), for
+            ``Recompute.within(1.35)`` and ``Recompute.MOST`` (what ``recompute=`` and a
+            budget choose from). Without an optimizer, the last pair's peak is the figure a
+            budgeted step's ``report()`` gives for what recomputation reaches.
+        kernels_measured: whether kernels' scratch was measured on this CPU (else modelled;
+            see ``estimate``'s ``measure_kernels``).
     """
 
     device: str
@@ -78,6 +89,7 @@ class MemoryEstimate:
     step_peak_eager: int = 0
     step_peak_pooled: int = 0
     time_for_memory: tuple[tuple[float, int], ...] = ()
+    kernels_measured: bool = False
 
     def fits(self, budget: int | str, *, pooled: bool = True) -> bool:
         """Whether the train step (pooled unless ``pooled=False``) fits ``budget`` (bytes, or
@@ -87,14 +99,28 @@ class MemoryEstimate:
         return (self.step_peak_pooled if pooled else self.step_peak_eager) <= nbytes
 
     def fits_memory(self, memory: int | str, *, pooled: bool = True) -> bool:
-        """Whether a whole train step, parameters, inputs and optimizer state included, fits
-        a device with ``memory`` bytes (or a size such as ``"8G"``)."""
+        """Deprecated: ``train_peak_pooled <= memory`` (or ``train_peak_eager``). Whether a
+        whole train step, parameters, inputs and optimizer state included, fits a device
+        with ``memory`` bytes (or a size such as ``"8G"``). ``fits`` is the one question a
+        budget asks."""
+        warnings.warn(
+            "sharedmem: MemoryEstimate.fits_memory is deprecated: fits(budget) is the one "
+            "question a budget asks; for a whole device compare est.train_peak_pooled (or "
+            "train_peak_eager) with its memory",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         nbytes = parse_bytes(memory, "memory")
         return (self.train_peak_pooled if pooled else self.train_peak_eager) <= nbytes
 
     def report(self) -> str:
         """A table a person reads: the peaks, the categories, the biggest modules."""
         rows = [f"memory estimate on {self.device} (nothing was allocated to make it)"]
+        if self.device == "cpu" and not self.kernels_measured:
+            rows.append(
+                "  kernels' scratch modelled, not measured (measure_kernels=True measures it, "
+                "installing the routing allocator)"
+            )
         rows.append(f"  {'':<22}{'eager':>16}{'pooled':>16}")
         for label, eager, pooled in (
             ("train step peak", self.train_peak_eager, self.train_peak_pooled),
@@ -128,6 +154,7 @@ def estimate(
     loss_fn: Loss | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     device: object = "cpu",
+    measure_kernels: bool | None = None,
 ) -> MemoryEstimate:
     """Estimate a train step's and an evaluation's memory without running them.
 
@@ -144,9 +171,11 @@ def estimate(
     reducer's gradient buckets (the bytes of the parameters it reduces, held for the whole
     run) in the peaks and under ``gradients``.
 
-    Not modelled: cuDNN/cuBLAS workspaces, the CUDA context, fragmentation of the caching
-    allocator (blocks are rounded to 512 bytes, nothing more), the vmm backend's 2 MiB chunk
-    granularity, and memory a custom autograd function or a hook allocates outside ATen ops.
+    ``kernels_measured`` says whether kernels' scratch was measured or modelled
+    (``measure_kernels``). Not modelled: cuDNN/cuBLAS workspaces, the CUDA context,
+    fragmentation of the caching allocator (blocks are rounded to 512 bytes, nothing more),
+    the vmm backend's 2 MiB chunk granularity, and memory a custom autograd function or a
+    hook allocates outside ATen ops.
 
     Args:
         model: the module (training mode is used for the train step, eval for evaluation).
@@ -156,6 +185,13 @@ def estimate(
         loss_fn: ``loss_fn(output, targets)`` returns the scalar loss.
         optimizer: its class and hyperparameters give the state and step temporaries.
         device: the device the figures are for.
+        measure_kernels: on ``"cpu"``, measure what kernels hold beyond their results
+            (oneDNN's scratch, an RNN's workspace) by running each configuration once under
+            the routing allocator. ``None`` (the default): where the router is installed in
+            this process already (a pooled step ran), else modelled; an estimate never
+            builds or installs it on its own, so it changes nothing in the process.
+            ``True``: build and install it now to measure (process-wide, as a pooled step
+            would); ``False``: modelled.
 
     Example::
 
@@ -167,7 +203,7 @@ def estimate(
         ...                   optimizer=torch.optim.Adam(model.parameters()))
         >>> est.train_bytes["optimizer_state"] == 2 * est.train_bytes["parameters"] + 4 * 4
         True
-        >>> est.fits("1G"), est.fits_memory("1G")
+        >>> est.fits("1G"), est.train_peak_pooled < 1 << 30
         (True, True)
     """
     if not isinstance(model, nn.Module):
@@ -178,6 +214,7 @@ def estimate(
             f"sharedmem: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     name = _device_name(device)
+    measure = measures_kernels(name, measure_kernels)
     rounding = round_for(name)
     inputs = plain_mapping(inputs)
     # Under DistributedDataParallel: this rank's module, plus the reducer's gradient buckets
@@ -190,11 +227,11 @@ def estimate(
     try:
         model.train()
         train = eager_train(
-            model, inputs, targets, loss, optimizer, rounding, measure=name == "cpu",
+            model, inputs, targets, loss, optimizer, rounding, measure=measure,
             keep_output=True,
         )  # fmt: skip
         if any(p.requires_grad for p in model.parameters()):
-            pooled = PooledTrainStep(model, loss, BufferPool("cpu"))
+            pooled = _planning_only(PooledTrainStep(model, loss, BufferPool("cpu")), measure)
             train_plan = pooled.memory_plan(_real(inputs), _real(targets))
             recomputed = _time_for_memory(
                 pooled,
@@ -204,11 +241,13 @@ def estimate(
                 _own_peak(train, buckets, rounding),
             )
         else:  # a frozen model: its "train step" is a training-mode forward and the loss
-            train_plan = PooledForward(model, BufferPool("cpu")).memory_plan(_real(inputs))
+            forward = _planning_only(PooledForward(model, BufferPool("cpu")), measure)
+            train_plan = forward.memory_plan(_real(inputs))
             recomputed = []
         model.eval()
-        eval_peak, out_bytes = _eager_eval(model, inputs, rounding, measure=name == "cpu")
-        eval_plan = PooledForward(model, BufferPool("cpu")).memory_plan(_real(inputs))
+        eval_peak, out_bytes = _eager_eval(model, inputs, rounding, measure=measure)
+        evaluation = _planning_only(PooledForward(model, BufferPool("cpu")), measure)
+        eval_plan = evaluation.memory_plan(_real(inputs))
     finally:
         model.train(was_training)
     static = train.parameters + train.inputs + buckets
@@ -241,7 +280,19 @@ def estimate(
         step_peak_eager=train_peak_eager - static + buckets - state,
         step_peak_pooled=step_peak_pooled,
         time_for_memory=tuple(recomputed),
+        kernels_measured=measure,
     )
+
+
+def measures_kernels(device: str, ask: bool | None) -> bool:
+    """Whether kernels' scratch is measured for ``device`` (``ask``: as ``estimate``'s
+    ``measure_kernels``): on CPU, by the router where it is installed already, or where
+    asked for (installed now)."""
+    if device != "cpu" or ask is False:
+        return False
+    if ask:
+        return native() is not None
+    return loaded() is not None
 
 
 def _own_peak(
@@ -270,17 +321,24 @@ def _time_for_memory(
     left out."""
     found: list[tuple[float, int]] = []
     lowest = own_peak(default)
-    try:
-        for level in (0.35, True):
-            step.recompute_heavy = level
-            plan = step.memory_plan(inputs, targets)
-            peak = own_peak(plan)
-            if peak < lowest and plan.recompute_cost > 0:
-                lowest = peak
-                found.append((plan.recompute_cost, peak))
-    finally:
-        step.recompute_heavy = False
+    for level in (Recompute.within(1.35), Recompute.MOST):
+        plan = step.memory_plan(inputs, targets, recompute=level)
+        peak = own_peak(plan)
+        if peak < lowest and plan.recompute_cost > 0:
+            lowest = peak
+            found.append((plan.recompute_cost, peak))
     return found
+
+
+_Planned = TypeVar("_Planned", PooledTrainStep, PooledForward)
+
+
+def _planning_only(step: _Planned, measure: bool) -> _Planned:
+    """``step``, planning as the router would serve it without building or installing it,
+    kernels measured where ``measure`` says."""
+    step.planning_only = True
+    step.measure_kernels = measure
+    return step
 
 
 @dataclass

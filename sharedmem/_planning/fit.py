@@ -1,6 +1,8 @@
-"""Steps that fit a batch to a memory budget: the fewest micro-batches whose planned peak
-fits, chosen before running from the executor's plan (or, for a plain eager model, from the
-estimate's fake-tensor run), never by trying and catching an out-of-memory error.
+"""Budgets: the fewest micro-batches whose planned peak fits, chosen before running from the
+executor's plan (or, for a plain eager model, from the estimate's fake-tensor run), never by
+trying and catching an out-of-memory error. A pooled step owns its budget as a policy
+(``TrainBudget``, ``ForwardBudget``: the step's ``budget_policy``); ``EagerFitStep`` is the
+eager, poolless step that fits a budget the same way.
 
 A choice is made once per input signature, budget and limit, so the same budget and shapes
 always give the same chunks. The search is a bisection over the number of chunks (a chunk's
@@ -23,6 +25,8 @@ from .._errors import OutOfMemoryError
 from .._executor import PooledForward, PooledTrainStep
 from .._executor.calling import OwnLoss, call_model, check_targets, plain_mapping
 from .._executor.executor import MemoryPlan
+from .._executor.policy import Recompute
+from .._executor.step import CallFigures
 from .._pool import BufferPool
 from .._pool.report import human_bytes
 from .budget import ChunkNeed, Need, budget_bytes, check_budget
@@ -33,12 +37,20 @@ from .chunking import (
     WeightedLoss,
     batch_stat_modules,
     reduction_of,
+    user_stacklevel,
     warn_once,
 )
-from .estimate import eager_train
+from .estimate import eager_train, measures_kernels
 from .live import round_for
 
-__all__ = ["FitStep", "FittedForward", "FittedTrainStep"]
+__all__ = ["EagerFitStep", "ForwardBudget", "TrainBudget", "planned_peak"]
+
+
+def planned_peak(plan: MemoryPlan) -> int:
+    """A plan's peak, the one figure every report gives for it: its pool bytes on a pool of
+    its own and the most beside the pool at once. (Whether it fits a budget is judged on the
+    pool as it is: its buffers' granularity and what else it holds, ``Need``.)"""
+    return plan.pooled_bytes + plan.beside_peak
 
 
 def signature(*trees: object) -> tuple[object, ...]:
@@ -88,11 +100,9 @@ class Fitted:
         self._counts: dict[str, int] = {}  # signature label -> chunks, for reading
         self._said: dict[str, list[bool]] = {}
         # Signatures (count keys) met in one chunk by recomputing more (``_recomputes``), each
-        # with the recomputation setting that met it, and whether the latest count chosen is
-        # one of them (with its setting).
-        self._recomputed: dict[tuple[object, ...], float | bool] = {}
-        self.recomputing = False
-        self.recompute_heavy: float | bool = False
+        # with the recomputation that met it, and what the latest count chosen recomputes.
+        self._recomputed: dict[tuple[object, ...], Recompute] = {}
+        self._latest = Recompute.OFF
         # Where both fit and chunks may be chosen (``exact=False``): the modelled time each
         # adds, by signature label: (chunks, their added fraction, recomputation's).
         self.compared: dict[str, tuple[int, float, float]] = {}
@@ -112,13 +122,28 @@ class Fitted:
         """Chunks chosen so far, by signature (batch shapes), in the order first seen."""
         return dict(self._counts)
 
+    @property
+    def recompute(self) -> Recompute:
+        """What the latest choice recomputes in one chunk (``Recompute.OFF``: nothing
+        costly, or chunks were chosen)."""
+        return self._latest
+
+    @property
+    def recomputing(self) -> bool:
+        """Whether the latest choice recomputes costly ops to fit in one chunk."""
+        return self._latest.costly
+
     def report(self) -> str:
         """A table of the chunk counts chosen per signature."""
+        return "\n".join(self.report_lines())
+
+    def report_lines(self) -> list[str]:
+        """The chunk counts chosen per signature, and what recomputation reached."""
         head = f"budget {self.budget!r}" if self.fixed is None else f"fixed {self.fixed} chunks"
         rows = [f"chunks per batch signature ({head}):"]
         rows += [f"  {label:<48}{n:>6}" for label, n in self._counts.items()]
         if self._recomputed:
-            levels = ", ".join(_level(v) for v in self._recomputed.values())
+            levels = ", ".join(v.describe() for v in self._recomputed.values())
             rows.append(
                 f"  {len(self._recomputed)} signature(s) fit in one chunk by computing "
                 "convolutions and matrix products again in backward (the same step, bit for "
@@ -126,7 +151,8 @@ class Fitted:
             )
         for label, (least, floor, op) in self.unreached.items():
             rows.append(
-                f"  {label}: chunked: recomputation alone plans {least:,} bytes at the least"
+                f"  {label}: chunked: recomputation alone reaches a planned peak of {least:,} "
+                "bytes at the least"
                 + (
                     f"; none goes below {floor:,} bytes, what {op} needs at once (its "
                     "operands, results and scratch beside the gradients made before it)"
@@ -140,7 +166,7 @@ class Fitted:
                 f"  {label}: {chosen} chosen (exact=False): {chunks} chunks modelled "
                 f"+{by_chunks:.1%} time, recomputation +{by_recomputing:.1%}"
             )
-        return "\n".join(rows)
+        return rows
 
     # ---- choosing ---------------------------------------------------------------------------
 
@@ -159,7 +185,7 @@ class Fitted:
                     f"{'' if total == 1 else 's'}, the most chunks it can run in: it runs in "
                     f"{chunks} chunks of one example (said once per batch shape)",
                     UserWarning,
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
             self._remember(inputs, targets, chunks)
             return chunks
@@ -170,21 +196,24 @@ class Fitted:
         chosen = self._chosen.get(key)
         if chosen is None:
             chosen, level = self._search(inputs, targets, total, budget, limit, accumulating)
-            if level is not False:
+            if level is not None:
                 self._recomputed[key] = level
             self._chosen[key] = chosen
             self._remember(inputs, targets, chosen)
-        self.recompute_heavy = self._recomputed.get(key, False)
-        self.recomputing = self.recompute_heavy is not False
+        self._latest = self._recomputed.get(key, Recompute.OFF)
         return chosen
+
+    def _budget_bytes(self) -> int | None:
+        """The budget in bytes now (``None`` for a fixed chunk count)."""
+        return None if self.budget is None else budget_bytes(self.budget, self.device, self.pool)
 
     def _recomputes(
         self, inputs: object, targets: object, budget: int, limit: int | None, accumulating: bool
-    ) -> float | bool:
-        """The least recomputation (a ``recompute_heavy`` setting) with which the whole batch,
-        which does not fit the budget as planned by default, fits it in one chunk (the same
-        computation, unlike chunks); ``False`` where none does."""
-        return False
+    ) -> Recompute | None:
+        """The least recomputation with which the whole batch, which does not fit the budget
+        as planned by default, fits it in one chunk (the same computation, unlike chunks);
+        ``None`` where none does."""
+        return None
 
     def _remember(self, inputs: object, targets: object, chunks: int) -> None:
         self._counts[_label(inputs, targets)] = chunks
@@ -197,9 +226,9 @@ class Fitted:
         budget: int,
         limit: int | None,
         accumulating: bool,
-    ) -> tuple[int, float | bool]:
+    ) -> tuple[int, Recompute | None]:
         """Bisect for the fewest chunks that fit, and the recomputation with which one chunk
-        fits (tried before any chunks: ``_recomputes``; ``False``: none). If none does with
+        fits (tried before any chunks: ``_recomputes``; ``None``: none). If none does with
         the pool as it is (its buffers were sized by other shapes), this step's own buffers
         are given back once and the search runs again on what is left."""
         for attempt in range(2):
@@ -212,11 +241,11 @@ class Fitted:
                 return need is not None and need.fits(budget, limit)
 
             if fits(1):
-                return 1, False
-            level: float | bool = False
+                return 1, None
+            level: Recompute | None = None
             if attempt == 0:
                 level = self._recomputes(inputs, targets, budget, limit, accumulating)
-                if level is not False and self.exact:
+                if level is not None and self.exact:
                     return 1, level
             low, high = 1, total  # low does not fit; high is the most there can be
             while high - low > 1:
@@ -225,12 +254,12 @@ class Fitted:
                     high = middle
                 else:
                     low = middle
-            if level is not False and not (
+            if level is not None and not (
                 fits(high) and self._chunks_faster(inputs, targets, high, level)
             ):
                 return 1, level
             if fits(high):
-                return high, False
+                return high, None
             if attempt == 0 and not self._give_back():
                 break
         self._refuse(inputs, targets, total, budget, limit, accumulating)
@@ -245,24 +274,30 @@ class Fitted:
     exact = True
 
     def _chunks_faster(
-        self, inputs: object, targets: object, chunks: int, level: float | bool
+        self, inputs: object, targets: object, chunks: int, level: Recompute
     ) -> bool:
         """Whether running ``chunks`` chunks adds less modelled time than recomputing at
         ``level`` in one (both fit)."""
         return False
 
     def _need(
-        self, inputs: object, targets: object, chunks: int, accumulating: bool
+        self,
+        inputs: object,
+        targets: object,
+        chunks: int,
+        accumulating: bool,
+        recompute: Recompute = Recompute.OFF,
     ) -> Need | None:
         """The need of running the batch as ``chunks`` chunks: its biggest chunk's, with
         every chunk's pool buffers taken together; ``None`` where the model cannot run
-        chunks that small (batch norm on one example)."""
+        chunks that small (batch norm on one example). ``recompute``: planned with that
+        recomputation (one chunk)."""
         parts = self.splitter.split(inputs, targets, chunks)
         beside: dict[str, int] = {}
         slots: dict[str, int] = {}
         for part in _distinct(parts):
             try:
-                chunk = self._chunk_need(part, chunks, accumulating)
+                chunk = self._chunk_need(part, chunks, accumulating, recompute)
             except (RuntimeError, ValueError) as failure:
                 if chunks == 1:
                     raise  # the model cannot run this batch at all: say so as it is
@@ -276,7 +311,9 @@ class Fitted:
         parts_ = {"pool buffers": pool, **beside} if self.pool is not None else dict(beside)
         return Need(sum(parts_.values()), pool, parts_)
 
-    def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
+    def _chunk_need(
+        self, part: Chunk, chunks: int, accumulating: bool, recompute: Recompute
+    ) -> ChunkNeed:
         raise NotImplementedError
 
     def _refuse(
@@ -363,10 +400,12 @@ def _grad_bytes(model: nn.Module, rounding: Callable[[int], int]) -> int:
     return sum(rounding(p.numel() * p.element_size()) for p in trainable)
 
 
-class FittedTrainStep(Fitted):
-    """A pooled train step that runs each batch in as many chunks as its budget needs.
+class TrainBudget(Fitted):
+    """A pooled train step's budget (or fixed chunk count): the step's ``budget_policy``.
 
-    Made by ``sm.pooled_train_step(..., budget=...)`` or ``chunks=...``; see there.
+    Made by ``sm.pooled_train_step(..., budget=...)`` or ``chunks=...``; see there. It
+    chooses, per signature, the recomputation or the chunks a batch runs in, and runs it
+    through the step (``step._call``), each question asked as an argument.
     """
 
     def __init__(
@@ -387,26 +426,39 @@ class FittedTrainStep(Fitted):
         self.reduction, self._assumed = reduction_of(step.loss_fn, reduction)
         self._weighted: PooledTrainStep | None = None
 
-    def __call__(self, inputs: object, targets: object = None) -> torch.Tensor:
+    def run(self, inputs: object, targets: object = None) -> torch.Tensor:
         """Run the batch in chunks, accumulate the gradients into ``p.grad``, return the
         whole batch's loss."""
-        inputs, targets = plain_mapping(inputs), self.step.check_targets(targets)
-        chunks = self._count(inputs, targets, self._accumulating())
+        step = self.step
+        inputs, targets = plain_mapping(inputs), step.check_targets(targets)
+        before = [p.grad is None for p in self.model.parameters()]
+        chunks = self._count(inputs, targets, not all(before))
+        budget = self._budget_bytes()
         if chunks == 1:
-            self.step.recompute_heavy = self.recompute_heavy
-            try:
-                return self.step(inputs, targets)
-            finally:
-                self.step.recompute_heavy = False
+            return step._call(inputs, targets, self._latest, budget=budget)
         self._say(chunks)
         total: torch.Tensor | None = None
+        figures: list[CallFigures] = []
         parts = self.splitter.split(inputs, targets, chunks)
         for k, part in enumerate(parts):
-            with _synced_last(self.step.ddp, k, len(parts)):
-                loss = self._run_chunk(part)
+            with _synced_last(step.ddp, k, len(parts)):
+                loss, runner = self._run_chunk(part)
             total = loss if total is None else total + loss
+            assert runner.last_call is not None
+            figures.append(runner.last_call)
         assert total is not None
+        step.last_call = _chunked(figures, chunks, budget, self._new_grad_bytes(before))
+        step._last = runner._last  # plan_summary() and source(): the chunks' graph
         return total
+
+    def _new_grad_bytes(self, absent: list[bool]) -> int:
+        """The bytes of the gradients this call made (absent before it): held by every
+        chunk after the first."""
+        return sum(
+            p.grad.untyped_storage().nbytes()
+            for p, was in zip(self.model.parameters(), absent, strict=True)
+            if was and p.grad is not None
+        )
 
     def _weights(self) -> bool:
         return self.reduction == "mean" or self.splitter.user_split is not None
@@ -422,42 +474,43 @@ class FittedTrainStep(Fitted):
             self._weighted.routing = step.routing
         return self._weighted
 
-    def _run_chunk(self, part: Chunk) -> torch.Tensor:
+    def _run_chunk(self, part: Chunk) -> tuple[torch.Tensor, PooledTrainStep]:
         if not self._weights():
-            return self.step(part.inputs, part.targets)
+            return self.step._call(part.inputs, part.targets, Recompute.OFF), self.step
         weight = torch.tensor(part.weight, dtype=torch.float64, device=self.step.device)
-        return self._weighted_step()(part.inputs, (part.targets, weight))
+        weighted = self._weighted_step()
+        return weighted._call(part.inputs, (part.targets, weight), Recompute.OFF), weighted
 
     def _recomputes(
         self, inputs: object, targets: object, budget: int, limit: int | None, accumulating: bool
-    ) -> float | bool:
+    ) -> Recompute | None:
         # Before chunks, which change what batch-wide modules see and the order of the sums:
         # the whole batch with convolutions and matrix products computed again in backward,
         # the least of it that fits (bisected over ``RECOMPUTE_LEVELS``, cheapest values
         # first), within ``max_slowdown``.
-        if self.step.plan != "liveness" or self.step.recompute_heavy is not False:
-            return False
+        if self.step.plan != "liveness":
+            return None
         levels = recompute_levels(self.max_slowdown)
         if not levels:
-            return False
+            return None
 
-        def need_at(level: float | bool) -> Need | None:
-            self.step.recompute_heavy = level
-            try:
-                return self._need(inputs, targets, 1, accumulating)
-            finally:
-                self.step.recompute_heavy = False
+        def need_at(level: Recompute) -> Need | None:
+            return self._need(inputs, targets, 1, accumulating, level)
 
-        def fits(level: float | bool) -> bool:
+        def fits(level: Recompute) -> bool:
             need = need_at(level)
             return need is not None and need.fits(budget, limit)
 
         least = need_at(levels[-1])
         if least is None or not least.fits(budget, limit):
             if least is not None:  # say why: what it reached, and what bounds it
-                plan = self.step.memory_plan(inputs, targets, with_grads=accumulating)
-                self.unreached[_label(inputs, targets)] = (least.total, plan.floor, plan.floor_op)
-            return False
+                plan = self.step.memory_plan(
+                    inputs, targets, with_grads=accumulating, recompute=levels[-1]
+                )
+                self.unreached[_label(inputs, targets)] = (
+                    planned_peak(plan), plan.floor, plan.floor_op
+                )  # fmt: skip
+            return None
         low, high = -1, len(levels) - 1  # levels[high] fits; levels[low] does not (-1: none)
         while high - low > 1:
             middle = (low + high) // 2
@@ -465,22 +518,22 @@ class FittedTrainStep(Fitted):
                 high = middle
             else:
                 low = middle
-        found: float | bool = levels[high]
-        if found is True:
+        found = levels[high]
+        if found == Recompute.MOST:
             return found
         # Between two levels the peak can fall steeply (ViT-tiny's half budget: 190 MB at
         # +10%, 91 MB at +20%): the least time that fits is looked for in between too.
-        below = 0.0 if low < 0 else float(levels[low])
+        below = 1.0 if low < 0 else levels[low].max_slowdown
         for _ in range(REFINE_STEPS):
-            halfway = (below + float(found)) / 2
+            halfway = Recompute((below + found.max_slowdown) / 2)
             if fits(halfway):
                 found = halfway
             else:
-                below = halfway
+                below = halfway.max_slowdown
         return found
 
     def _chunks_faster(
-        self, inputs: object, targets: object, chunks: int, level: float | bool
+        self, inputs: object, targets: object, chunks: int, level: Recompute
     ) -> bool:
         # The cost model of recomputation, with what chunks add: each chunk calls every op
         # again (``OP_CALL_FLOPS`` each) and reads the weights again, so ``chunks`` chunks of
@@ -491,12 +544,9 @@ class FittedTrainStep(Fitted):
         for part in self.splitter.split(inputs, targets, chunks):
             runner, chunk_targets = self._chunk_step(part, chunks)
             chunked += runner.modelled_time(part.inputs, chunk_targets)
-        step.recompute_heavy = level
-        try:
-            fraction = step.memory_plan(inputs, targets, with_grads=False).recompute_cost
-        finally:
-            step.recompute_heavy = False
+        plan = step.memory_plan(inputs, targets, with_grads=False, recompute=level)
         by_chunks = chunked / whole - 1.0
+        fraction = plan.recompute_cost
         fraction *= step.modelled_time(inputs, targets, per_call=False) / whole  # of the same
         self.compared[_label(inputs, targets)] = (chunks, by_chunks, fraction)
         return by_chunks < fraction
@@ -510,10 +560,14 @@ class FittedTrainStep(Fitted):
         weight = torch.zeros((), dtype=torch.float64, device=self.step.device)
         return self._weighted_step(), (part.targets, weight)
 
-    def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
+    def _chunk_need(
+        self, part: Chunk, chunks: int, accumulating: bool, recompute: Recompute
+    ) -> ChunkNeed:
         def plan(with_grads: bool) -> MemoryPlan:
             step, targets = self._chunk_step(part, chunks)
-            return step.memory_plan(part.inputs, targets, with_grads=with_grads)
+            return step.memory_plan(
+                part.inputs, targets, with_grads=with_grads, recompute=recompute
+            )
 
         # The plan's timeline at its busiest: unpooled results, their scratch, and the new
         # gradients. A chunk that adds into gradients already there (every chunk after the
@@ -550,9 +604,10 @@ class FittedTrainStep(Fitted):
             )
 
 
-class FittedForward(Fitted):
-    """A pooled forward that runs each batch in as many chunks as its budget needs, its
-    outputs concatenated along the batch dimension.
+class ForwardBudget(Fitted):
+    """A pooled forward's budget (or fixed chunk count): each batch runs in as many chunks as
+    it needs, the outputs concatenated along the batch dimension; the forward's
+    ``budget_policy``.
 
     Made by ``sm.pooled_forward(..., budget=...)`` or ``chunks=...``; see there.
     """
@@ -563,18 +618,27 @@ class FittedForward(Fitted):
         super().__init__(forward.model, budget, chunks, splitter, forward.device, forward.pool)
         self.forward = forward
 
-    def __call__(self, inputs: object) -> Any:
+    def run(self, inputs: object, targets: object = None) -> Any:
         """Run the batch in chunks and return the outputs, concatenated."""
+        forward = self.forward
         inputs = plain_mapping(inputs)
         chunks = self._count(inputs, None, False)
+        budget = self._budget_bytes()
         if chunks == 1:
-            return self.forward(inputs)
+            return forward._call(inputs, budget=budget)
         if self.model.training:
             self._say_batch_wide(chunks)
-        outputs = [self.forward(part.inputs) for part in self.splitter.split(inputs, None, chunks)]
+        outputs, figures = [], []
+        for part in self.splitter.split(inputs, None, chunks):
+            outputs.append(forward._call(part.inputs))
+            assert forward.last_call is not None
+            figures.append(forward.last_call)
+        forward.last_call = _chunked(figures, chunks, budget, 0)
         return concatenate(outputs, self.splitter.batch_dim)
 
-    def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
+    def _chunk_need(
+        self, part: Chunk, chunks: int, accumulating: bool, recompute: Recompute
+    ) -> ChunkNeed:
         plan = self.forward.memory_plan(part.inputs)
         rounding = round_for(str(self.device))
         # Every chunk's output is held until they are joined, then the joined copy.
@@ -587,6 +651,21 @@ class FittedForward(Fitted):
 
     def _give_back(self) -> bool:
         return give_back_slots(self.forward)
+
+
+def _chunked(figures: list[CallFigures], chunks: int, budget: int | None, held: int) -> CallFigures:
+    """A chunked call's figures from its chunks': the biggest chunk's, each chunk after the
+    first with the gradients the call made before it (``held`` bytes) beside it."""
+    measured = [f.measured_peak + (held if k else 0) for k, f in enumerate(figures)]
+    counted = [f.budget_counted + (held if k else 0) for k, f in enumerate(figures)]
+    biggest = max(range(len(figures)), key=measured.__getitem__)
+    return figures[biggest]._replace(
+        planned_peak=max(f.planned_peak for f in figures),
+        measured_peak=measured[biggest],
+        chunks=chunks,
+        budget=budget,
+        budget_counted=max(counted),
+    )
 
 
 def concatenate(outputs: list[Any], batch_dim: int) -> Any:
@@ -608,10 +687,11 @@ def concatenate(outputs: list[Any], batch_dim: int) -> Any:
     return pytree.tree_unflatten(joined, spec)
 
 
-class FitStep(Fitted):
-    """An eager train step that runs each batch in as many chunks as its budget needs.
+class EagerFitStep(Fitted):
+    """An eager train step, without a pool, that runs each batch in as many chunks as its
+    budget needs.
 
-    Made by ``sm.fit_step``; see there.
+    Made by ``sm.fit_eager_step``; see there.
     """
 
     def __init__(
@@ -654,11 +734,13 @@ class FitStep(Fitted):
         assert total is not None
         return total
 
-    def _chunk_need(self, part: Chunk, chunks: int, accumulating: bool) -> ChunkNeed:
+    def _chunk_need(
+        self, part: Chunk, chunks: int, accumulating: bool, recompute: Recompute
+    ) -> ChunkNeed:
         rounding = round_for(str(self.device))
         train = eager_train(
             self.model, part.inputs, part.targets, self.loss_fn, None, rounding,
-            measure=str(self.device) == "cpu",
+            measure=measures_kernels(str(self.device), None),
         )  # fmt: skip
         held = _grad_bytes(self.model, rounding) if accumulating or chunks > 1 else 0
         beside = {
@@ -668,23 +750,20 @@ class FitStep(Fitted):
         return ChunkNeed(beside, {})
 
 
-# The recomputation settings a budget tries before chunks, least first: the most modelled
-# time recomputation may add, as a fraction of the step's own (``recompute``; ``True``: as
-# much as lowers the peak).
-RECOMPUTE_LEVELS: tuple[float | bool, ...] = (0.02, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, True)
+# The recomputation a budget tries before chunks, least first: the most modelled time it may
+# add, as a fraction of the step's own (the last: as much as lowers the peak).
+RECOMPUTE_LEVELS: tuple[Recompute, ...] = (
+    *(Recompute.adding(f) for f in (0.02, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0)),
+    Recompute.MOST,
+)
 # Halvings of the gap between the last level that does not fit and the first that does.
 REFINE_STEPS = 3
 
 
-def recompute_levels(max_slowdown: float | None) -> list[float | bool]:
-    """The settings of ``RECOMPUTE_LEVELS`` within ``max_slowdown`` (``None``: all), with
-    ``max_slowdown - 1`` itself as the last where it falls between two."""
+def recompute_levels(max_slowdown: float | None) -> list[Recompute]:
+    """The levels of ``RECOMPUTE_LEVELS`` within ``max_slowdown`` (``None``: all), with
+    ``max_slowdown`` itself as the last where it falls between two."""
     if max_slowdown is None:
         return list(RECOMPUTE_LEVELS)
-    cap = max_slowdown - 1.0
-    levels: list[float | bool] = [v for v in RECOMPUTE_LEVELS if v is not True and v < cap]
-    return [*levels, cap] if cap > 0 else levels
-
-
-def _level(level: float | bool) -> str:
-    return "as much as lowers the peak" if level is True else f"up to +{float(level):.0%} modelled"
+    levels = [v for v in RECOMPUTE_LEVELS if v.max_slowdown < max_slowdown]
+    return [*levels, Recompute(max_slowdown)] if max_slowdown > 1.0 else levels

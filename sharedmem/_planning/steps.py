@@ -1,12 +1,14 @@
 """The public faces of the pooled executor and of fitting to a budget:
-``sm.pooled_train_step``, ``sm.pooled_forward`` and ``sm.fit_step``.
+``sm.pooled_train_step``, ``sm.pooled_forward`` and ``sm.fit_eager_step`` (``sm.fit_step``,
+its old name, is deprecated).
 
-Without a budget or a chunk count the pooled factories return the executor's own steps, so a
-plain step pays nothing for fitting.
+The pooled factories return one class each, whatever the arguments: a budget or a chunk count
+is a policy the step owns (``step.budget_policy``); without one a step pays nothing for it.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,13 +16,14 @@ import torch
 from torch import nn
 
 from .._executor import PooledForward, PooledTrainStep
+from .._executor.policy import Recompute
 from .._pool import BufferPool
 from .._validate import check_loss_fn
 from .budget import check_exact, check_max_slowdown
 from .chunking import Splitter, UserSplit
-from .fit import FitStep, FittedForward, FittedTrainStep
+from .fit import EagerFitStep, ForwardBudget, TrainBudget
 
-__all__ = ["fit_step", "pooled_forward", "pooled_train_step"]
+__all__ = ["fit_eager_step", "fit_step", "pooled_forward", "pooled_train_step"]
 
 
 def pooled_train_step(
@@ -37,7 +40,8 @@ def pooled_train_step(
     split: UserSplit | None = None,
     max_slowdown: float | None = None,
     exact: bool = True,
-) -> PooledTrainStep | FittedTrainStep:
+    recompute: Recompute | None = None,
+) -> PooledTrainStep:
     """Make a train step that runs ``model`` as an ATen graph with activations in ``pool``.
 
     ``loss = step(inputs, targets)`` does what
@@ -121,8 +125,9 @@ def pooled_train_step(
     convolution's or matrix product's time is its flops, any other op's the bytes it moves):
     the values that cost the least time per byte they free go first, and the least
     recomputation that fits is taken; ``max_slowdown`` caps the time it may add (modelled).
-    ``step.recomputing`` says whether the latest choice recomputed, ``step.report()`` and
-    ``plan_summary()`` how much and at what modelled cost. ``exact=False`` accepts chunks'
+    ``step.recompute`` says what the latest choice recomputes (``step.recomputing``: whether
+    it recomputes costly ops), ``step.report()`` and ``plan_summary()`` how much and at what
+    modelled cost. ``exact=False`` accepts chunks'
     different computation where they are faster: where both recomputation and chunks fit,
     the same cost model picks the one that adds less time (chunks add a fixed cost per op
     call and per pass over the weights, recomputation its ops), and ``step.report()`` gives
@@ -143,10 +148,18 @@ def pooled_train_step(
     chunks already run added into ``p.grad``, as eager gradient accumulation over
     micro-batches would: zero them (``optimizer.zero_grad()``) before running the batch again.
 
-    **The least memory at a stated cost.** ``max_slowdown=`` without a budget asks for the
-    lowest peak recomputation reaches within that modelled slowdown (1.3: at most 30% more
-    time), in one chunk, bit for bit the default step: the same solver a budget uses, with
-    the time given instead of the memory.
+    **The least memory at a stated cost.** ``recompute=sm.Recompute.within(1.3)`` asks for
+    the lowest peak recomputation reaches within that modelled slowdown (at most 30% more
+    time), in one chunk, bit for bit the default step (``sm.Recompute.MOST``: as much as
+    lowers the peak): the same solver a budget uses, with the time given instead of the
+    memory. (``max_slowdown=`` without a budget asked for this before; it still does, with
+    a ``DeprecationWarning``: ``max_slowdown`` is the cap on a budget's choice.)
+
+    **Figures a user can check.** ``step.last_call`` holds the latest call's peak, planned
+    and measured (the arena it was served from and the most PyTorch's allocator held for it
+    at once, as the routing allocator saw every allocation), and with a budget whether the
+    call held it (``step.last_call.held_budget``); ``step.report()`` and
+    ``step.plan_summary()`` print them.
 
     Args:
         model: the module; on the pool's device (``"emulated"`` pools take CPU modules).
@@ -166,11 +179,15 @@ def pooled_train_step(
         split: ``split(inputs, targets, chunks)`` returns ``chunks`` tuples ``(inputs,
             targets[, weight])``, for layouts a plain split cannot cut (padded or packed
             sequences); a weight is the chunk's share of the batch's loss.
-        max_slowdown: the most time recomputation may add, modelled, as a factor of the
-            step's own (at least 1.0; 1.0: recompute nothing costly, chunks meet a budget).
+        max_slowdown: with ``budget``: the most time the recomputation chosen to meet it
+            may add, modelled, as a factor of the step's own (at least 1.0; 1.0: recompute
+            nothing costly, chunks meet the budget).
         exact: ``True``: a budget is met by the same computation (recomputation) wherever
             it can be, chunks only below what it reaches; ``False``: by whichever of the two
             the cost model says is faster (needs ``budget``).
+        recompute: what the step computes again in backward, a ``sm.Recompute``
+            (``Recompute.OFF``, the default; ``Recompute.within(1.3)``; ``Recompute.MOST``);
+            without ``budget`` and ``chunks`` (a budget chooses it per signature).
 
     Example::
 
@@ -190,21 +207,28 @@ def pooled_train_step(
     """
     slowdown = check_max_slowdown(max_slowdown, chunks)
     check_exact(exact, budget)
-    step = PooledTrainStep(model, loss_fn, pool, plan, prefix)
-    if budget is None and chunks is None:
-        if slowdown is not None and slowdown > 1.0:
-            step.recompute_heavy = slowdown - 1.0  # the least memory within that time
-        return step
-    splitter = Splitter(batch_dim, split)
-    return FittedTrainStep(
-        step,
-        budget=budget,
-        chunks=chunks,
-        reduction=reduction,
-        splitter=splitter,
-        max_slowdown=slowdown,
-        exact=exact,
-    )
+    policy = check_recompute(recompute, budget, chunks)
+    if budget is None and chunks is None and slowdown is not None:
+        warnings.warn(
+            f"sharedmem: max_slowdown={slowdown} without budget= is deprecated: max_slowdown "
+            "caps the recomputation a budget chooses; for the least memory within a "
+            f"slowdown pass recompute=sm.Recompute.within({slowdown})",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        policy = Recompute.within(slowdown)
+    step = PooledTrainStep(model, loss_fn, pool, plan, prefix, recompute=policy)
+    if budget is not None or chunks is not None:
+        step.budget_policy = TrainBudget(
+            step,
+            budget=budget,
+            chunks=chunks,
+            reduction=reduction,
+            splitter=Splitter(batch_dim, split),
+            max_slowdown=slowdown,
+            exact=exact,
+        )
+    return step
 
 
 def pooled_forward(
@@ -217,7 +241,7 @@ def pooled_forward(
     budget: int | str | None = None,
     chunks: int | None = None,
     batch_dim: int = 0,
-) -> PooledForward | FittedForward:
+) -> PooledForward:
     """Make a forward that runs ``model`` without autograd, with activations in ``pool``.
 
     ``out = fwd(inputs)`` returns what ``with torch.no_grad(): model(inputs)`` returns (a
@@ -260,12 +284,14 @@ def pooled_forward(
         True
     """
     forward = PooledForward(model, pool, plan, prefix, outputs_in_pool)
-    if budget is None and chunks is None:
-        return forward
-    return FittedForward(forward, budget=budget, chunks=chunks, splitter=Splitter(batch_dim))
+    if budget is not None or chunks is not None:
+        forward.budget_policy = ForwardBudget(
+            forward, budget=budget, chunks=chunks, splitter=Splitter(batch_dim)
+        )
+    return forward
 
 
-def fit_step(
+def fit_eager_step(
     model: nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     *,
@@ -274,8 +300,9 @@ def fit_step(
     reduction: str | None = None,
     batch_dim: int = 0,
     split: UserSplit | None = None,
-) -> FitStep:
-    """Make an eager train step that runs each batch in as many chunks as fit a budget.
+) -> EagerFitStep:
+    """Make an eager train step, without a pool, that runs each batch in as many chunks as
+    fit a budget.
 
     ``loss = step(inputs, targets)`` does what
     ``loss = loss_fn(model(inputs), targets); loss.backward()`` does (inputs and the
@@ -302,7 +329,7 @@ def fit_step(
 
         >>> import torch, sharedmem as sm
         >>> model = torch.nn.Linear(16, 4)
-        >>> step = sm.fit_step(model, torch.nn.functional.mse_loss, chunks=4)
+        >>> step = sm.fit_eager_step(model, torch.nn.functional.mse_loss, chunks=4)
         >>> x, y = torch.randn(32, 16), torch.randn(32, 4)
         >>> loss = step(x, y)
         >>> step.chunks_for(x, y), loss.shape
@@ -312,8 +339,49 @@ def fit_step(
         raise TypeError(f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}")
     check_loss_fn(loss_fn)
     if budget is None and chunks is None:
-        raise ValueError("sharedmem: fit_step needs budget=... (bytes or 'free') or chunks=N")
+        raise ValueError("sharedmem: fit_eager_step needs budget=... (bytes or 'free') or chunks=N")
     splitter = Splitter(batch_dim, split)
-    return FitStep(
+    return EagerFitStep(
         model, loss_fn, budget=budget, chunks=chunks, reduction=reduction, splitter=splitter
     )
+
+
+_SAID_FIT_STEP: list[bool] = []
+
+
+def fit_step(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> EagerFitStep:
+    """Deprecated: ``sm.fit_eager_step`` (the same eager, poolless step, named for what it is).
+    Warns once per process."""
+    if not _SAID_FIT_STEP:
+        _SAID_FIT_STEP.append(True)
+        warnings.warn(
+            "sharedmem: fit_step is deprecated: it is the eager step without a pool, now "
+            "sm.fit_eager_step (same arguments); for a pooled step that fits a budget use "
+            "sm.pooled_train_step(..., budget=...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    return fit_eager_step(model, loss_fn, **kwargs)
+
+
+def check_recompute(recompute: object, budget: object, chunks: object) -> Recompute:
+    """``recompute`` (``None``: ``Recompute.OFF``); refuse anything but a ``Recompute``, and
+    one given with a budget or a chunk count (they choose it)."""
+    if recompute is None:
+        return Recompute.OFF
+    if not isinstance(recompute, Recompute):
+        raise TypeError(
+            "sharedmem: recompute must be a sharedmem.Recompute (Recompute.OFF, "
+            f"Recompute.within(1.3), Recompute.MOST), got {type(recompute).__name__}"
+        )
+    if recompute != Recompute.OFF and (budget is not None or chunks is not None):
+        raise ValueError(
+            "sharedmem: recompute= fixes what the step computes again; with budget= the "
+            "budget chooses it per signature (cap its time with max_slowdown=), and with "
+            "chunks= nothing is chosen: give one or the other"
+        )
+    return recompute

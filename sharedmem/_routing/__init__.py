@@ -17,12 +17,13 @@ from .cuda_native import cuda_router, install_cuda_router
 from .host import ArenaHost, Arenas, lane_name
 from .native import loaded, native, routing_enabled
 from .plan import Recording, RoutePlan, choose_plan, plan_offsets
-from .route import COUNTERS, Route, arena_live_bytes, routes_on
+from .route import COUNTERS, CallPeak, Route, arena_live_bytes, routes_on
 
 __all__ = [
     "COUNTERS",
     "ArenaHost",
     "Arenas",
+    "CallPeak",
     "Recording",
     "Route",
     "RoutePlan",

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build", "loaded", "native", "routing_enabled"]
+__all__ = ["build", "loaded", "native", "routing_enabled", "would_load"]
 
 _SOURCE = Path(__file__).with_name("router.cpp")
 _NAME = "sharedmem_routing"
@@ -44,6 +44,12 @@ def native() -> Any | None:
 def loaded() -> Any | None:
     """The router if ``native()`` has loaded it already (never builds it)."""
     return _loaded[0] if _loaded else None
+
+
+def would_load() -> bool:
+    """Whether ``native()`` gives (or would give) a router, without building or installing
+    it: the outcome where it was tried, else whether the environment allows one."""
+    return _loaded[0] is not None if _loaded else routing_enabled()
 
 
 def _load() -> Any | None:

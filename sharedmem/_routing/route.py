@@ -27,7 +27,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,10 +35,10 @@ from .._backends import cuda_torch_ops
 from .._errors import OutOfMemoryError
 from .cuda_native import cuda_router
 from .host import ArenaHost
-from .native import loaded, native
+from .native import loaded, native, would_load
 from .plan import Recording, RoutePlan, choose_plan, plan_offsets
 
-__all__ = ["COUNTERS", "Route", "arena_live_bytes", "routes_on"]
+__all__ = ["COUNTERS", "CallPeak", "Route", "arena_live_bytes", "routes_on"]
 
 # The pool counters the router adds to (``pool.stats()``), defined here once.
 COUNTERS = (
@@ -49,6 +49,25 @@ COUNTERS = (
     "replayed_calls",  # calls served by a plan
     "diverged_calls",  # replays that left their plan part way
 )
+
+
+class CallPeak(NamedTuple):
+    """The peak of one routed call as the router saw it: the bytes of the arena it was
+    served from (held during the call), and the most bytes PyTorch's allocator held for it
+    at once. A recorded call's allocations are all watched, each from its allocation to its
+    free. A replay's are each checked against the recorded sequence (size and order): while
+    it keeps to its plan, what it holds beside the arena is the recorded sequence's; after
+    it leaves it (``on_plan`` false), everything served from there on is added whole (an
+    upper bound)."""
+
+    arena_bytes: int
+    beside_peak: int
+    recorded: bool
+    on_plan: bool
+
+    @property
+    def total(self) -> int:
+        return self.arena_bytes + self.beside_peak
 
 
 class Route:
@@ -76,12 +95,14 @@ class Route:
         self._planned_for = 0  # the arena's capacity the plan was made for
         self._rerecorded = 0  # times a stale plan (outliving allocations that died) was redone
         self._lock = threading.Lock()  # guards the plan: threads may run one route at once
+        self.last_peak: CallPeak | None = None  # the latest call's, as the router saw it
 
     @contextmanager
     def scope(self) -> Iterator[None]:
         """Serve the block's allocations on this thread: recorded on the first call (and after
         a divergence), replayed from the arena after."""
         router = _scopes(self._host)
+        self.last_peak = None
         if router is None or router.active():  # no router, or a step inside a step
             yield
             return
@@ -102,6 +123,7 @@ class Route:
                 plan, native_plan = self.plan, self._native_plan
             place = None if plan is None else self._place(lane, plan)
             if plan is None or place is None:
+                before = self._host.device_capacity(lane)
                 router.begin_record()
                 completed = False
                 try:
@@ -111,6 +133,10 @@ class Route:
                     recording = Recording(*router.end_record())
                 if completed:  # a failed call's sequence is not the signature's
                     self._recorded(recording, lane, beside=plan is not None)
+                # The arena held through the call, then grown (after it) beside what outlives it.
+                after = self._host.device_capacity(lane)
+                peak = max(before + recording.live_peak(), after + recording.outliving_bytes)
+                self.last_peak = CallPeak(after, peak - after, True, True)
                 return
             base, size = place
             held = router.live_bytes(base) if base else 0
@@ -119,6 +145,9 @@ class Route:
                 yield
             finally:
                 counts = router.end_replay()
+                on_plan = counts["diverged_at"] < 0
+                beside = plan.beside_peak + (0 if on_plan else counts["fell_back_bytes"])
+                self.last_peak = CallPeak(size, beside, False, on_plan)
                 with self._lock:
                     self._account(counts, held, plan)
         finally:
@@ -293,9 +322,13 @@ def arena_live_bytes(host: ArenaHost, name: str) -> int:
     return int(router.live_bytes(base))
 
 
-def routes_on(pool: ArenaHost) -> bool:
+def routes_on(pool: ArenaHost, *, build: bool = True) -> bool:
     """Whether a router serves steps on ``pool``: the CPU router on a CPU or emulated pool
-    (built at first use), the CUDA router on a CUDA pool once it was installed."""
+    (built at first use), the CUDA router on a CUDA pool once it was installed.
+    ``build=False``: whether one would, without building or installing anything (planning
+    only: the process's allocator stays as it is)."""
+    if not build and not _on_cuda(pool):
+        return would_load()
     return _module(pool) is not None
 
 
