@@ -13,7 +13,7 @@ Python values a trace read besides (attributes, hooks, closures, globals) are gu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -24,6 +24,7 @@ from torch import nn
 from torch.fx import Node
 
 from .._backends import round_up
+from .._errors import SharedMemError
 from .._pool import BufferPool
 from .._routing import Route, choose_plan, routes_on
 from .._validate import check_name
@@ -35,9 +36,9 @@ from .graph import Analysis, analyse, op_name
 from .placement import as_recording, place, timeline_peak
 from .plan import PLANS, Lifetime, PlanSummary, assign_slots, merge
 from .recompute import recompute
-from .trace import Leaves, Traced
+from .trace import TENSOR, Leaves, Traced
 
-__all__ = ["Compiled", "Executor", "describe"]
+__all__ = ["Compiled", "Executor", "Family", "data_family", "describe"]
 
 
 class MemoryPlan(NamedTuple):
@@ -97,6 +98,28 @@ class Compiled:
     n_data: int = 0  # the last n_data inputs are the call's data (may be pool views)
 
 
+@dataclass
+class Family:
+    """The signatures that differ from one another only in the sizes of their data tensors:
+    a graph traced with the dimensions that changed as symbols serves them all (see
+    ``Executor.shared``).
+
+    Attributes:
+        sizes: the data tensors' sizes of the family's first call.
+        dims: per data tensor, the dimensions traced as symbols (``None``: not yet).
+        traced: that symbolic graph (made concrete at the sizes it was traced with).
+        built: per compiled-step key beyond the signature (gradients present, recomputation),
+            the step built from ``traced``: its runner serves every size.
+        refused: why the family is not traced symbolically ("" while it may be).
+    """
+
+    sizes: tuple[tuple[int, ...], ...]
+    dims: tuple[frozenset[int], ...] | None = None
+    traced: Traced | None = None
+    built: dict[tuple[object, ...], Compiled] = dataclasses.field(default_factory=dict)
+    refused: str = ""
+
+
 class Mode(NamedTuple):
     """What changes the ops a trace records without changing any tensor (part of a
     signature): the default dtype (factories) and autocast (casts, lower-precision ops)."""
@@ -146,6 +169,12 @@ class Executor:
         # ``recompute``); set by a budget the step meets this way without chunks, or by
         # ``max_slowdown``; part of every compiled step's key.
         self.recompute_heavy: bool | float = False
+        # Signatures up to their data tensors' sizes (``Family``), and the seconds spent
+        # tracing and planning graphs so far; why the last family was not traced
+        # symbolically ("" where none was refused).
+        self._families: dict[tuple[object, ...], Family] = {}
+        self.capture_seconds = 0.0
+        self.shape_fallback = ""
 
     def _loss_functions(self) -> list[tuple[str, object]]:
         """The callables a trace runs besides the model (a train step's loss function)."""
@@ -164,6 +193,7 @@ class Executor:
             # signature traces again, as eager would see the change.
             self._cache.clear()
             self._traced.clear()
+            self._families.clear()
         return binding, state
 
     def _mode(self) -> Mode:
@@ -284,6 +314,105 @@ class Executor:
             if routed
             else None,
             n_data,
+        )
+
+    def shared(
+        self,
+        family: tuple[object, ...],
+        tail: tuple[object, ...],
+        data: Sequence[torch.Tensor],
+        label: str,
+        trace: Callable[[tuple[frozenset[int], ...]], Traced],
+        build: Callable[[Traced], Compiled],
+    ) -> Compiled | None:
+        """The compiled step of a new signature from its family's symbolic graph, traced
+        once the family's second signature shows which dimensions change (as Dynamo marks a
+        dimension dynamic); ``None`` where the signature needs a graph of its own (its
+        family's first, one the symbolic graph's guards refuse, or a family that cannot be
+        traced symbolically: the reason is ``shape_fallback`` and ``stats()`` counts
+        ``symbolic_fallbacks``).
+
+        A signature served this way shares the family's runner (the graph computes its sizes
+        from its inputs) with a route of its own: the arena serves it by a plan recorded on
+        its first call, as any signature's. Recomputation is decided once, at the sizes the
+        family was traced with, and holds at every size (it recomputes values, never
+        changes them).
+
+        Args:
+            family: the signature without the data tensors' sizes (``data_family``).
+            tail: what else the compiled step depends on (gradients present, recomputation).
+            data: the call's data tensors (inputs, then targets).
+            label: the signature, for messages and the plan summary.
+            trace: traces the step with the given dimensions of each data tensor symbolic.
+            build: plans and generates a traced graph's step.
+        """
+        sizes = tuple(tuple(t.shape) for t in data)
+        found = self._families.get(family)
+        if found is None:
+            self._families[family] = Family(sizes)
+            return None
+        if found.refused:
+            return None
+        changed = tuple(
+            frozenset(d for d, (a, b) in enumerate(zip(old, new, strict=True)) if a != b)
+            for old, new in zip(found.sizes, sizes, strict=True)
+        )
+        dims = changed
+        if found.dims is not None:
+            dims = tuple(a | b for a, b in zip(found.dims, changed, strict=True))
+            if dims == found.dims:
+                assert found.traced is not None and found.traced.serves is not None
+                if not found.traced.serves(data):
+                    return None  # a guard of the symbolic graph fails: a graph of its own
+                return self._instance(found, found.traced, tail, label, build)
+        if not any(dims):
+            return None
+        if any(t.shape[d] < 2 for t, ds in zip(data, dims, strict=True) for d in ds):
+            return None  # a size of 0 or 1 would be traced as fixed: wait for another call
+        reason = self._refusal()
+        if not reason:
+            try:
+                traced = trace(dims)
+            except SharedMemError as e:
+                reason = f"the symbolic trace failed: {str(e).removeprefix('sharedmem: ')}"
+        if reason:
+            found.refused = self.shape_fallback = reason
+            self.pool.count("symbolic_fallbacks", 1)
+            return None
+        self.pool.count("symbolic_captures", 1)
+        found.dims, found.traced, found.built = dims, traced, {}
+        return self._instance(found, traced, tail, label, build)
+
+    def _refusal(self) -> str:
+        """Why this executor's graphs cannot serve other sizes ("" where they can)."""
+        if not self._routed(False):
+            return (
+                "the slot plan (routing off, or the per-node plan) fixes every pooled "
+                "value's size and offset in the generated code"
+            )
+        return ""
+
+    def _instance(
+        self,
+        family: Family,
+        traced: Traced,
+        tail: tuple[object, ...],
+        label: str,
+        build: Callable[[Traced], Compiled],
+    ) -> Compiled:
+        base = family.built.get(tail)
+        if base is None:
+            base = family.built[tail] = build(traced)
+            return dataclasses.replace(
+                base, summary=dataclasses.replace(base.summary, signature=label)
+            )
+        route = base.route
+        return dataclasses.replace(
+            base,
+            summary=dataclasses.replace(base.summary, signature=label),
+            route=None
+            if route is None
+            else Route(self.pool, f"{self.prefix}0", training=route.training),
         )
 
     def _routed(self, outputs_in_pool: bool) -> bool:
@@ -554,6 +683,19 @@ def returned_bytes(gm: torch.fx.GraphModule) -> int:
     nodes = [n for n in pytree.tree_leaves(output.args) if isinstance(n, torch.fx.Node)]
     values = (n.meta.get("val") for n in nodes)
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def data_family(*trees: Leaves) -> tuple[object, ...] | None:
+    """The part of a signature that its data tensors' sizes leave out: their count, ranks,
+    dtypes and devices and the trees' constants; ``None`` where a tensor is not contiguous
+    (its strides are part of what a trace fixes)."""
+    key: list[object] = []
+    for tree in trees:
+        if not all(t.is_contiguous() for t in tree.tensors):
+            return None
+        key.append((tree.spec, tuple(c for c in tree.constants if c is not TENSOR)))
+        key.append(tuple((t.dim(), t.dtype, t.device) for t in tree.tensors))
+    return tuple(key)
 
 
 def describe(what: str, *trees: Leaves) -> str:

@@ -6,6 +6,7 @@ budgets and chunks on top."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from .binding import State
 from .calling import OwnLoss, check_targets
 from .cost import call_cost, graph_cost
 from .distributed import GradientSync, after_forward, sync_buffers
-from .executor import Executor, MemoryPlan, describe, returned_bytes
+from .executor import Compiled, Executor, MemoryPlan, data_family, describe, returned_bytes
 from .trace import Traced, flatten, trace_forward, trace_train
 
 __all__ = ["PooledForward", "PooledTrainStep"]
@@ -83,24 +84,47 @@ class PooledTrainStep(Executor):
         key = (*traced_key, present, self._recompute_key())
         compiled = self._cache.get(key)
         if compiled is None:
+            started = time.perf_counter()
             self._check_devices(state, x, y)
-            traced = self._traced.get(traced_key) or self.capture.trace(
-                binding, lambda: trace_train(self.model, self.loss_fn, binding, state, x, y)
-            )
-            traced = self._with_grads(traced, state, present)
             label = describe("train step", x, y)
             if any(present):
                 label += ", adding into existing gradients"
             n_data = len(x.tensors) + len(y.tensors)
-            compiled = self._build(
-                traced,
-                label=label,
-                n_data=n_data,
-                autocast=mode.autocast,
-                outputs_in_pool=False,
-                grad_ready=None if self._sync is None else self._sync.ready,
-            )
+
+            def build(traced: Traced) -> Compiled:
+                return self._build(
+                    self._with_grads(traced, state, present),
+                    label=label,
+                    n_data=n_data,
+                    autocast=mode.autocast,
+                    outputs_in_pool=False,
+                    grad_ready=None if self._sync is None else self._sync.ready,
+                )
+
+            # A signature that differs from an earlier one only in its data's sizes is
+            # served by one graph traced with those sizes as symbols (``Executor.shared``).
+            family = data_family(x, y)
+            if family is not None and traced_key not in self._traced:
+                compiled = self.shared(
+                    (state.key, family, mode),
+                    key[len(traced_key) :],
+                    [*x.tensors, *y.tensors],
+                    label,
+                    lambda dims: self.capture.trace(
+                        binding,
+                        lambda: trace_train(
+                            self.model, self.loss_fn, binding, state, x, y, dynamic=dims
+                        ),
+                    ),
+                    build,
+                )
+            if compiled is None:
+                traced = self._traced.get(traced_key) or self.capture.trace(
+                    binding, lambda: trace_train(self.model, self.loss_fn, binding, state, x, y)
+                )
+                compiled = build(traced)
             self._cache[key] = compiled
+            self.capture_seconds += time.perf_counter() - started
         if self._sync is not None:
             self._sync.begin(state.params)
         held = [
