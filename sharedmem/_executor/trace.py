@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.utils._pytree as pytree
@@ -303,7 +303,7 @@ def _trace(
     what: str,
     binding: Binding,
     given: str,
-    tracing_mode: str = "fake",
+    tracing_mode: Literal["fake", "symbolic"] = "fake",
 ) -> GraphModule:
     try:
         with _LOCK, quiet_fake_tensor_failures():  # said below in one line, not torch's 25
