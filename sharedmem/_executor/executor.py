@@ -32,7 +32,7 @@ from .binding import Binding, Place, State
 from .capture import Capture
 from .codegen import Runner, generate
 from .distributed import grad_taps, unwrap
-from .graph import Analysis, analyse, op_name
+from .graph import Analysis, analyse, op_name, op_sequence
 from .placement import as_recording, place, timeline_peak
 from .plan import PLANS, Lifetime, PlanSummary, assign_slots, merge
 from .recompute import recompute
@@ -111,9 +111,15 @@ class Family:
         built: per compiled-step key beyond the signature (gradients present, recomputation),
             the step built from ``traced``: its runner serves every size.
         refused: why the family is not traced symbolically ("" while it may be).
+
+    The symbolic graph must run the very ops of the first signature's graph: a symbolic
+    trace runs some composite ops through their Python decompositions (PyTorch's python
+    dispatcher), which may compute in another order than the C++ kernels eager runs (an
+    LSTM's), and an op whose count follows a size (a loop over the sequence) fixes that size.
     """
 
     sizes: tuple[tuple[int, ...], ...]
+    ops: tuple[object, ...] = ()  # the ops of the first signature's own graph
     dims: tuple[frozenset[int], ...] | None = None
     traced: Traced | None = None
     built: dict[tuple[object, ...], Compiled] = dataclasses.field(default_factory=dict)
@@ -358,6 +364,13 @@ class Executor:
             for old, new in zip(found.sizes, sizes, strict=True)
         )
         dims = changed
+        if found.dims is None and any(
+            found.sizes[k][d] < 2 for k, ds in enumerate(changed) for d in ds
+        ):
+            # A size of 0 or 1 may take other ops (a squeezed dimension): the family's own
+            # graph, whose ops a symbolic graph must run, is this call's instead.
+            self._families[family] = Family(sizes)
+            return None
         if found.dims is not None:
             dims = tuple(a | b for a, b in zip(found.dims, changed, strict=True))
             if dims == found.dims:
@@ -375,6 +388,12 @@ class Executor:
                 traced = trace(dims)
             except SharedMemError as e:
                 reason = f"the symbolic trace failed: {str(e).removeprefix('sharedmem: ')}"
+            else:
+                if found.ops and op_sequence(traced.gm) != found.ops:
+                    reason = (
+                        "the symbolic trace runs other ops than the step's own graph (a "
+                        "decomposition of its own, or a loop over a changing size)"
+                    )
         if reason:
             found.refused = self.shape_fallback = reason
             self.pool.count("symbolic_fallbacks", 1)
@@ -382,6 +401,13 @@ class Executor:
         self.pool.count("symbolic_captures", 1)
         found.dims, found.traced, found.built = dims, traced, {}
         return self._instance(found, traced, tail, label, build)
+
+    def first_of(self, family: tuple[object, ...] | None, traced: Traced) -> None:
+        """``traced`` is the graph of ``family``'s first signature, traced alone: a symbolic
+        graph of the family must run its ops."""
+        found = None if family is None else self._families.get(family)
+        if found is not None and not found.ops:
+            found.ops = op_sequence(traced.gm)
 
     def _refusal(self) -> str:
         """Why this executor's graphs cannot serve other sizes ("" where they can)."""

@@ -43,6 +43,8 @@ __all__ = [
     "fresh_fake",
     "graph_outputs",
     "op_name",
+    "op_sequence",
+    "size_arithmetic",
 ]
 
 _PLAIN = OpRule(Kind.PLAIN)
@@ -413,7 +415,7 @@ def _rule(node: Node, device: torch.device, *, all_fresh: bool) -> OpRule:
     target = node.target
     if target is operator.getitem:
         return _ALIAS
-    if _size_arithmetic(node):
+    if size_arithmetic(node):
         return _PLAIN  # a graph traced with symbolic sizes computes them from its inputs'
     if not isinstance(target, OpOverload):
         raise SharedMemError(
@@ -439,7 +441,17 @@ def _rule(node: Node, device: torch.device, *, all_fresh: bool) -> OpRule:
     return rule
 
 
-def _size_arithmetic(node: Node) -> bool:
+def op_sequence(gm: GraphModule) -> tuple[object, ...]:
+    """The ops a graph runs, in order, without the size arithmetic of a symbolic trace: two
+    traces of one step that run the same ops compute the same bits (at their sizes)."""
+    return tuple(
+        n.target
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is not operator.getitem and not size_arithmetic(n)
+    )
+
+
+def size_arithmetic(node: Node) -> bool:
     """Whether ``node`` computes a size (``sym_size``, ``8 * s0``): a number from numbers
     and the sizes of tensors, in a graph traced with symbolic sizes."""
     if node.target is aten.sym_size.int or node.target is aten.sym_numel.default:

@@ -103,10 +103,11 @@ class PooledTrainStep(Executor):
 
             # A signature that differs from an earlier one only in its data's sizes is
             # served by one graph traced with those sizes as symbols (``Executor.shared``).
-            family = data_family(x, y)
+            data = data_family(x, y)
+            family = None if data is None else (state.key, data, mode)
             if family is not None and traced_key not in self._traced:
                 compiled = self.shared(
-                    (state.key, family, mode),
+                    family,
                     key[len(traced_key) :],
                     [*x.tensors, *y.tensors],
                     label,
@@ -122,6 +123,7 @@ class PooledTrainStep(Executor):
                 traced = self._traced.get(traced_key) or self.capture.trace(
                     binding, lambda: trace_train(self.model, self.loss_fn, binding, state, x, y)
                 )
+                self.first_of(family, traced)
                 compiled = build(traced)
             self._cache[key] = compiled
             self.capture_seconds += time.perf_counter() - started

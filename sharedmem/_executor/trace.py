@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -283,7 +283,10 @@ def _symbolic(
         )
         for k, (t, dims) in enumerate(zip(flat[first:], dynamic, strict=True))
     ]
-    gm = _trace(fn, [*fixed, *data], what, binding, given, tracing_mode="symbolic")
+    # "fake", not "symbolic": make_fx's symbolic mode turns on PyTorch's python dispatcher,
+    # which runs composite ops through Python decompositions (dropout as native_dropout, an
+    # LSTM unrolled): the fake mode of symbolic inputs traces the C++ kernels eager runs.
+    gm = _trace(fn, [*fixed, *data], what, binding, given)
     shape_env = mode.shape_env
     assert shape_env is not None
     code = shape_env.produce_guards_expression(data)
@@ -303,7 +306,6 @@ def _trace(
     what: str,
     binding: Binding,
     given: str,
-    tracing_mode: Literal["fake", "symbolic"] = "fake",
 ) -> GraphModule:
     try:
         with _LOCK, quiet_fake_tensor_failures():  # said below in one line, not torch's 25
@@ -312,7 +314,7 @@ def _trace(
             # Stack traces (a few percent of tracing time) let errors found in the graph name
             # the model's source line.
             gm = make_fx(
-                fn, tracing_mode=tracing_mode, _allow_non_fake_inputs=True, record_stack_traces=True
+                fn, tracing_mode="fake", _allow_non_fake_inputs=True, record_stack_traces=True
             )(*flat)
     except SharedMemError:
         raise
