@@ -95,7 +95,13 @@ def test_one_symbolic_capture_serves_every_length() -> None:
     pool = run_both(TinyLM(), [(4, t) for t in lengths])
     # the first length's own graph, then one symbolic graph for every other length
     assert captures(pool) == (2, 1)
-    assert pool.stats().get("symbolic_fallbacks", 0) == 0
+    stats = pool.stats()
+    assert stats.get("symbolic_fallbacks", 0) == 0
+    # recorded: the first length and the symbolic graph's first; every other length's plan
+    # is derived from those recordings and replayed from its first call, never diverging
+    assert stats["recorded_calls"] == 2
+    assert stats["derived_plans"] == 5
+    assert stats.get("diverged_calls", 0) == 0
 
 
 def test_a_changing_batch_size_joins_the_symbols_once() -> None:

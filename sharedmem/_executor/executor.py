@@ -27,6 +27,7 @@ from .._backends import round_up
 from .._errors import SharedMemError
 from .._pool import BufferPool
 from .._routing import Route, choose_plan, routes_on
+from .._routing.plan import Recording
 from .._validate import check_name
 from .binding import Binding, Place, State
 from .capture import Capture
@@ -124,6 +125,11 @@ class Family:
     traced: Traced | None = None
     built: dict[tuple[object, ...], Compiled] = dataclasses.field(default_factory=dict)
     refused: str = ""
+    # per key of ``built``: each size's route, with the candidate sizes at that size
+    routes: dict[tuple[object, ...], list[tuple[list[int], Route]]] = dataclasses.field(
+        default_factory=dict
+    )
+    derived: set[int] = dataclasses.field(default_factory=set)  # ids of derived recordings
 
 
 class Mode(NamedTuple):
@@ -377,7 +383,7 @@ class Executor:
                 assert found.traced is not None and found.traced.serves is not None
                 if not found.traced.serves(data):
                     return None  # a guard of the symbolic graph fails: a graph of its own
-                return self._instance(found, found.traced, tail, label, build)
+                return self._instance(found, found.traced, tail, label, build, data)
         if not any(dims):
             return None
         if any(t.shape[d] < 2 for t, ds in zip(data, dims, strict=True) for d in ds):
@@ -399,8 +405,8 @@ class Executor:
             self.pool.count("symbolic_fallbacks", 1)
             return None
         self.pool.count("symbolic_captures", 1)
-        found.dims, found.traced, found.built = dims, traced, {}
-        return self._instance(found, traced, tail, label, build)
+        found.dims, found.traced, found.built, found.routes = dims, traced, {}, {}
+        return self._instance(found, traced, tail, label, build, data)
 
     def first_of(self, family: tuple[object, ...] | None, traced: Traced) -> None:
         """``traced`` is the graph of ``family``'s first signature, traced alone: a symbolic
@@ -425,21 +431,34 @@ class Executor:
         tail: tuple[object, ...],
         label: str,
         build: Callable[[Traced], Compiled],
+        data: Sequence[torch.Tensor],
     ) -> Compiled:
         base = family.built.get(tail)
+        fresh = base is None
         if base is None:
             base = family.built[tail] = build(traced)
-            return dataclasses.replace(
-                base, summary=dataclasses.replace(base.summary, signature=label)
-            )
+        summary = dataclasses.replace(base.summary, signature=label)
         route = base.route
-        return dataclasses.replace(
-            base,
-            summary=dataclasses.replace(base.summary, signature=label),
-            route=None
-            if route is None
-            else Route(self.pool, f"{self.prefix}0", training=route.training),
-        )
+        if route is not None and not fresh:
+            route = Route(self.pool, f"{self.prefix}0", training=route.training)
+        compiled = dataclasses.replace(base, summary=summary, route=route)
+        if compiled.route is not None and traced.sizes is not None:
+            sizes = traced.sizes(data)
+            routes = family.routes.setdefault(tail, [])
+            recording = derive(
+                sizes,
+                [
+                    (s, r.recording)
+                    for s, r in routes
+                    if r.recording is not None and id(r.recording) not in family.derived
+                ],
+            )
+            if recording is not None:
+                family.derived.add(id(recording))
+                compiled.route.derive(recording)
+                self.pool.count("derived_plans", 1)
+            routes.append((sizes, compiled.route))
+        return compiled
 
     def _routed(self, outputs_in_pool: bool) -> bool:
         """Whether a call's allocations are served by the routing allocator: with the
@@ -722,6 +741,44 @@ def data_family(*trees: Leaves) -> tuple[object, ...] | None:
         key.append((tree.spec, tuple(c for c in tree.constants if c is not TENSOR)))
         key.append(tuple((t.dim(), t.dtype, t.device) for t in tree.tensors))
     return tuple(key)
+
+
+def derive(sizes: list[int], recorded: list[tuple[list[int], Recording]]) -> Recording | None:
+    """The allocation sequence of a call at another size of a symbolic graph, from those
+    recorded at other sizes: each recorded allocation's size is matched against the graph's
+    candidate sizes at that call's size (``Traced.sizes``; an allocation no candidate
+    matches is taken as fixed), and evaluated at this size. ``None`` where nothing was
+    recorded, the sequences differ between sizes, or an allocation's size is ambiguous
+    (candidates that match every recording disagree here): that call is recorded."""
+    if not recorded:
+        return None
+    first = recorded[0][1]
+    if any(r.alloc_at != first.alloc_at or r.free_at != first.free_at for _, r in recorded):
+        return None
+    where: list[dict[int, set[int]]] = []
+    for candidates, _ in recorded:
+        found: dict[int, set[int]] = {}
+        for c, size in enumerate(candidates):
+            found.setdefault(size, set()).add(c)
+        where.append(found)
+    out: list[int] = []
+    for i in range(len(first.sizes)):
+        matched: set[int] | None = None
+        for found, (_, r) in zip(where, recorded, strict=True):
+            here = found.get(r.sizes[i], set())
+            matched = here if matched is None else matched & here
+        guesses = {sizes[c] for c in matched or ()}
+        if not guesses:
+            if len({r.sizes[i] for _, r in recorded}) != 1:
+                return None
+            guesses = {first.sizes[i]}
+        if len(guesses) != 1:
+            return None
+        (size,) = guesses
+        if size < 0:
+            return None
+        out.append(size)
+    return Recording(out, first.alloc_at, first.free_at)
 
 
 def describe(what: str, *trees: Leaves) -> str:

@@ -126,6 +126,9 @@ class Traced:
     # A graph traced with symbolic sizes (``dynamic``): whether it serves data tensors of
     # other sizes (its shape guards, evaluated on them); ``None`` for a graph of fixed sizes.
     serves: Callable[[Sequence[torch.Tensor]], bool] | None = None
+    # And the bytes of every storage and numel-times-itemsize its values have, for data
+    # tensors of another size (what a recorded allocation's size is matched against).
+    sizes: Callable[[Sequence[torch.Tensor]], list[int]] | None = None
 
 
 def trace_train(
@@ -183,8 +186,8 @@ def trace_train(
     given = f"the inputs ({_shapes(inputs)}) and targets ({_shapes(targets)})"
     if dynamic is None:
         return Traced(_grad_mode_ops(_trace(joint, flat, what, binding, given)), stored[-1])
-    gm, serves = _symbolic(joint, flat, dynamic, what, binding, given)
-    return Traced(_grad_mode_ops(gm), stored[-1], serves=serves)
+    gm, serves, sizes = _symbolic(joint, flat, dynamic, what, binding, given)
+    return Traced(_grad_mode_ops(gm), stored[-1], serves=serves, sizes=sizes)
 
 
 def trace_forward(model: nn.Module, binding: Binding, state: State, inputs: Leaves) -> Traced:
@@ -251,7 +254,11 @@ def _symbolic(
     what: str,
     binding: Binding,
     given: str,
-) -> tuple[GraphModule, Callable[[Sequence[torch.Tensor]], bool]]:
+) -> tuple[
+    GraphModule,
+    Callable[[Sequence[torch.Tensor]], bool],
+    Callable[[Sequence[torch.Tensor]], list[int]],
+]:
     """Trace ``fn`` with the dimensions ``dynamic`` of its last ``len(dynamic)`` inputs as
     symbols (as Dynamo traces a dimension it marked dynamic), the others fixed.
 
@@ -294,10 +301,34 @@ def _symbolic(
     def serves(tensors: Sequence[torch.Tensor]) -> bool:
         return code is None or bool(shape_env.evaluate_guards_expression(code, tensors))
 
+    exprs = list(dict.fromkeys(_byte_sizes(gm)))
+
+    def sizes(tensors: Sequence[torch.Tensor]) -> list[int]:
+        values = shape_env.bind_symbols(data, tensors)
+        found = []
+        for e in exprs:
+            try:
+                found.append(e if isinstance(e, int) else int(e.xreplace(values)))
+            except TypeError:  # a symbol the inputs do not bind
+                found.append(-1)
+        return found
+
     concrete = FakeTensorMode(allow_non_fake_inputs=True)
     with _LOCK:
         FakeTensorProp(gm, concrete).propagate(*(concrete.from_tensor(t) for t in flat))
-    return gm, serves
+    return gm, serves, sizes
+
+
+def _byte_sizes(gm: GraphModule) -> Iterator[Any]:
+    """The bytes of each value's storage, and its elements times each itemsize, as sympy
+    expressions of the symbolic sizes (what the allocations of a call are)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        for v in val if isinstance(val, (list, tuple)) else [val]:
+            if isinstance(v, torch.Tensor):
+                numel = v.numel()
+                for n in (v.untyped_storage().nbytes(), *(numel * k for k in (1, 2, 4, 8))):
+                    yield n.node.expr if isinstance(n, torch.SymInt) else int(n)
 
 
 def _trace(
