@@ -369,7 +369,13 @@ class Executor:
             frozenset(d for d, (a, b) in enumerate(zip(old, new, strict=True)) if a != b)
             for old, new in zip(found.sizes, sizes, strict=True)
         )
-        dims = changed
+        # The batch dimension (the first, shared by the data tensors) is taken as changing
+        # with any other: a short last batch then needs no second symbolic trace.
+        batch = data[0].shape[0] if data and data[0].dim() else None
+        dims = tuple(
+            ds | {0} if any(changed) and t.dim() and t.shape[0] == batch and batch > 1 else ds
+            for t, ds in zip(data, changed, strict=True)
+        )
         if found.dims is None and any(
             found.sizes[k][d] < 2 for k, ds in enumerate(changed) for d in ds
         ):
