@@ -73,6 +73,7 @@ class Capture:
         self._changes: collections.Counter[str] = collections.Counter()
         self._warned = False
         pool.count("recaptures", 0)  # in stats() from the start
+        pool.count("captures", 0)
 
     def stale(self, binding: Binding) -> bool:
         """Whether the graphs traced so far are stale: a value the guard watches changed, or
@@ -115,6 +116,7 @@ class Capture:
             self._guard = Guard(binding.unique, self._functions())
             self._binding = binding
         guard = self._guard
+        self._pool.count("captures", 1)
         idle: list[str] = []
         before = guard.fakes()
         try:
@@ -164,7 +166,9 @@ def _tracing_ready() -> None:
     partially initialized, and every later trace in the process failing on them."""
     if _READY:
         return
-    with _interrupts_held():
+    # The tiny model's initialisation draws from the global generator: forked, so that the
+    # first step's random ops (dropout) draw what eager's would.
+    with _interrupts_held(), torch.random.fork_rng(devices=[]):
         from .binding import Binding
         from .trace import flatten, trace_train
 

@@ -13,7 +13,7 @@ Python values a trace read besides (attributes, hooks, closures, globals) are gu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -24,21 +24,23 @@ from torch import nn
 from torch.fx import Node
 
 from .._backends import round_up
+from .._errors import SharedMemError
 from .._pool import BufferPool
 from .._routing import Route, choose_plan, routes_on
+from .._routing.plan import Recording
 from .._validate import check_name
 from .binding import Binding, Place, State
 from .capture import Capture
 from .codegen import Runner, generate
 from .distributed import grad_taps, unwrap
-from .graph import Analysis, analyse, op_name
+from .graph import Analysis, analyse, op_name, op_sequence
 from .placement import as_recording, place, timeline_peak
 from .plan import PLANS, Lifetime, PlanSummary, assign_slots, merge
 from .policy import Recompute
 from .recompute import recompute
-from .trace import Leaves, Traced
+from .trace import TENSOR, Leaves, Traced
 
-__all__ = ["Compiled", "Executor", "describe"]
+__all__ = ["Compiled", "Executor", "Family", "data_family", "describe"]
 
 
 class MemoryPlan(NamedTuple):
@@ -98,6 +100,39 @@ class Compiled:
     n_data: int = 0  # the last n_data inputs are the call's data (may be pool views)
 
 
+@dataclass
+class Family:
+    """The signatures that differ from one another only in the sizes of their data tensors:
+    a graph traced with the dimensions that changed as symbols serves them all (see
+    ``Executor.shared``).
+
+    Attributes:
+        sizes: the data tensors' sizes of the family's first call.
+        dims: per data tensor, the dimensions traced as symbols (``None``: not yet).
+        traced: that symbolic graph (made concrete at the sizes it was traced with).
+        built: per compiled-step key beyond the signature (gradients present, recomputation),
+            the step built from ``traced``: its runner serves every size.
+        refused: why the family is not traced symbolically ("" while it may be).
+
+    The symbolic graph must run the very ops of the first signature's graph: a symbolic
+    trace runs some composite ops through their Python decompositions (PyTorch's python
+    dispatcher), which may compute in another order than the C++ kernels eager runs (an
+    LSTM's), and an op whose count follows a size (a loop over the sequence) fixes that size.
+    """
+
+    sizes: tuple[tuple[int, ...], ...]
+    ops: tuple[object, ...] = ()  # the ops of the first signature's own graph
+    dims: tuple[frozenset[int], ...] | None = None
+    traced: Traced | None = None
+    built: dict[tuple[object, ...], Compiled] = dataclasses.field(default_factory=dict)
+    refused: str = ""
+    # per key of ``built``: each size's route, with the candidate sizes at that size
+    routes: dict[tuple[object, ...], list[tuple[list[int], Route]]] = dataclasses.field(
+        default_factory=dict
+    )
+    derived: set[int] = dataclasses.field(default_factory=set)  # ids of derived recordings
+
+
 class Mode(NamedTuple):
     """What changes the ops a trace records without changing any tensor (part of a
     signature): the default dtype (factories) and autocast (casts, lower-precision ops)."""
@@ -147,6 +182,12 @@ class Executor:
         # measures kernels (under the router) only where told to.
         self.planning_only = False
         self.measure_kernels = True
+        # Signatures up to their data tensors' sizes (``Family``), and the seconds spent
+        # tracing and planning graphs so far; why the last family was not traced
+        # symbolically ("" where none was refused).
+        self._families: dict[tuple[object, ...], Family] = {}
+        self.capture_seconds = 0.0
+        self.shape_fallback = ""
 
     def _loss_functions(self) -> list[tuple[str, object]]:
         """The callables a trace runs besides the model (a train step's loss function)."""
@@ -165,6 +206,7 @@ class Executor:
             # signature traces again, as eager would see the change.
             self._cache.clear()
             self._traced.clear()
+            self._families.clear()
         return binding, state
 
     def _mode(self) -> Mode:
@@ -289,6 +331,144 @@ class Executor:
             else None,
             n_data,
         )
+
+    def shared(
+        self,
+        family: tuple[object, ...],
+        tail: tuple[object, ...],
+        data: Sequence[torch.Tensor],
+        label: str,
+        trace: Callable[[tuple[frozenset[int], ...]], Traced],
+        build: Callable[[Traced], Compiled],
+    ) -> Compiled | None:
+        """The compiled step of a new signature from its family's symbolic graph, traced
+        once the family's second signature shows which dimensions change (as Dynamo marks a
+        dimension dynamic); ``None`` where the signature needs a graph of its own (its
+        family's first, one the symbolic graph's guards refuse, or a family that cannot be
+        traced symbolically: the reason is ``shape_fallback`` and ``stats()`` counts
+        ``symbolic_fallbacks``).
+
+        A signature served this way shares the family's runner (the graph computes its sizes
+        from its inputs) with a route of its own: the arena serves it by a plan recorded on
+        its first call, as any signature's. Recomputation is decided once, at the sizes the
+        family was traced with, and holds at every size (it recomputes values, never
+        changes them).
+
+        Args:
+            family: the signature without the data tensors' sizes (``data_family``).
+            tail: what else the compiled step depends on (gradients present, recomputation).
+            data: the call's data tensors (inputs, then targets).
+            label: the signature, for messages and the plan summary.
+            trace: traces the step with the given dimensions of each data tensor symbolic.
+            build: plans and generates a traced graph's step.
+        """
+        sizes = tuple(tuple(t.shape) for t in data)
+        found = self._families.get(family)
+        if found is None:
+            self._families[family] = Family(sizes)
+            return None
+        if found.refused:
+            return None
+        changed = tuple(
+            frozenset(d for d, (a, b) in enumerate(zip(old, new, strict=True)) if a != b)
+            for old, new in zip(found.sizes, sizes, strict=True)
+        )
+        # The batch dimension (the first, shared by the data tensors) is taken as changing
+        # with any other: a short last batch then needs no second symbolic trace.
+        batch = data[0].shape[0] if data and data[0].dim() else None
+        dims = tuple(
+            ds | {0} if any(changed) and t.dim() and t.shape[0] == batch and batch > 1 else ds
+            for t, ds in zip(data, changed, strict=True)
+        )
+        if found.dims is None and any(
+            found.sizes[k][d] < 2 for k, ds in enumerate(changed) for d in ds
+        ):
+            # A size of 0 or 1 may take other ops (a squeezed dimension): the family's own
+            # graph, whose ops a symbolic graph must run, is this call's instead.
+            self._families[family] = Family(sizes)
+            return None
+        if found.dims is not None:
+            dims = tuple(a | b for a, b in zip(found.dims, changed, strict=True))
+            if dims == found.dims:
+                assert found.traced is not None and found.traced.serves is not None
+                if not found.traced.serves(data):
+                    return None  # a guard of the symbolic graph fails: a graph of its own
+                return self._instance(found, found.traced, tail, label, build, data)
+        if not any(dims):
+            return None
+        if any(t.shape[d] < 2 for t, ds in zip(data, dims, strict=True) for d in ds):
+            return None  # a size of 0 or 1 would be traced as fixed: wait for another call
+        reason = self._refusal()
+        if not reason:
+            try:
+                traced = trace(dims)
+            except SharedMemError as e:
+                reason = f"the symbolic trace failed: {str(e).removeprefix('sharedmem: ')}"
+            else:
+                if found.ops and op_sequence(traced.gm) != found.ops:
+                    reason = (
+                        "the symbolic trace runs other ops than the step's own graph (a "
+                        "decomposition of its own, or a loop over a changing size)"
+                    )
+        if reason:
+            found.refused = self.shape_fallback = reason
+            self.pool.count("symbolic_fallbacks", 1)
+            return None
+        self.pool.count("symbolic_captures", 1)
+        found.dims, found.traced, found.built, found.routes = dims, traced, {}, {}
+        return self._instance(found, traced, tail, label, build, data)
+
+    def first_of(self, family: tuple[object, ...] | None, traced: Traced) -> None:
+        """``traced`` is the graph of ``family``'s first signature, traced alone: a symbolic
+        graph of the family must run its ops."""
+        found = None if family is None else self._families.get(family)
+        if found is not None and not found.ops:
+            found.ops = op_sequence(traced.gm)
+
+    def _refusal(self) -> str:
+        """Why this executor's graphs cannot serve other sizes ("" where they can)."""
+        if not self._routed(False):
+            return (
+                "the slot plan (routing off, or the per-node plan) fixes every pooled "
+                "value's size and offset in the generated code"
+            )
+        return ""
+
+    def _instance(
+        self,
+        family: Family,
+        traced: Traced,
+        tail: tuple[object, ...],
+        label: str,
+        build: Callable[[Traced], Compiled],
+        data: Sequence[torch.Tensor],
+    ) -> Compiled:
+        base = family.built.get(tail)
+        fresh = base is None
+        if base is None:
+            base = family.built[tail] = build(traced)
+        summary = dataclasses.replace(base.summary, signature=label)
+        route = base.route
+        if route is not None and not fresh:
+            route = Route(self.pool, f"{self.prefix}0", training=route.training)
+        compiled = dataclasses.replace(base, summary=summary, route=route)
+        if compiled.route is not None and traced.sizes is not None:
+            sizes = traced.sizes(data)
+            routes = family.routes.setdefault(tail, [])
+            recording = derive(
+                sizes,
+                [
+                    (s, r.recording)
+                    for s, r in routes
+                    if r.recording is not None and id(r.recording) not in family.derived
+                ],
+            )
+            if recording is not None:
+                family.derived.add(id(recording))
+                compiled.route.derive(recording)
+                self.pool.count("derived_plans", 1)
+            routes.append((sizes, compiled.route))
+        return compiled
 
     def _routed(self, outputs_in_pool: bool) -> bool:
         """Whether a call's allocations are served by the routing allocator: with the
@@ -558,6 +738,57 @@ def returned_bytes(gm: torch.fx.GraphModule) -> int:
     nodes = [n for n in pytree.tree_leaves(output.args) if isinstance(n, torch.fx.Node)]
     values = (n.meta.get("val") for n in nodes)
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def data_family(*trees: Leaves) -> tuple[object, ...] | None:
+    """The part of a signature that its data tensors' sizes leave out: their count, ranks,
+    dtypes and devices and the trees' constants; ``None`` where a tensor is not contiguous
+    (its strides are part of what a trace fixes)."""
+    key: list[object] = []
+    for tree in trees:
+        if not all(t.is_contiguous() for t in tree.tensors):
+            return None
+        key.append((tree.spec, tuple(c for c in tree.constants if c is not TENSOR)))
+        key.append(tuple((t.dim(), t.dtype, t.device) for t in tree.tensors))
+    return tuple(key)
+
+
+def derive(sizes: list[int], recorded: list[tuple[list[int], Recording]]) -> Recording | None:
+    """The allocation sequence of a call at another size of a symbolic graph, from those
+    recorded at other sizes: each recorded allocation's size is matched against the graph's
+    candidate sizes at that call's size (``Traced.sizes``; an allocation no candidate
+    matches is taken as fixed), and evaluated at this size. ``None`` where nothing was
+    recorded, the sequences differ between sizes, or an allocation's size is ambiguous
+    (candidates that match every recording disagree here): that call is recorded."""
+    if not recorded:
+        return None
+    first = recorded[0][1]
+    if any(r.alloc_at != first.alloc_at or r.free_at != first.free_at for _, r in recorded):
+        return None
+    where: list[dict[int, set[int]]] = []
+    for candidates, _ in recorded:
+        found: dict[int, set[int]] = {}
+        for c, size in enumerate(candidates):
+            found.setdefault(size, set()).add(c)
+        where.append(found)
+    out: list[int] = []
+    for i in range(len(first.sizes)):
+        matched: set[int] | None = None
+        for found, (_, r) in zip(where, recorded, strict=True):
+            here = found.get(r.sizes[i], set())
+            matched = here if matched is None else matched & here
+        guesses = {sizes[c] for c in matched or ()}
+        if not guesses:
+            if len({r.sizes[i] for _, r in recorded}) != 1:
+                return None
+            guesses = {first.sizes[i]}
+        if len(guesses) != 1:
+            return None
+        (size,) = guesses
+        if size < 0:
+            return None
+        out.append(size)
+    return Recording(out, first.alloc_at, first.free_at)
 
 
 def describe(what: str, *trees: Leaves) -> str:

@@ -43,6 +43,8 @@ __all__ = [
     "fresh_fake",
     "graph_outputs",
     "op_name",
+    "op_sequence",
+    "size_arithmetic",
 ]
 
 _PLAIN = OpRule(Kind.PLAIN)
@@ -413,6 +415,8 @@ def _rule(node: Node, device: torch.device, *, all_fresh: bool) -> OpRule:
     target = node.target
     if target is operator.getitem:
         return _ALIAS
+    if size_arithmetic(node):
+        return _PLAIN  # a graph traced with symbolic sizes computes them from its inputs'
     if not isinstance(target, OpOverload):
         raise SharedMemError(
             f"sharedmem: the pooled executor cannot run {op_name(target)} (graph node "
@@ -435,6 +439,30 @@ def _rule(node: Node, device: torch.device, *, all_fresh: bool) -> OpRule:
     if rule.kind is not Kind.OUT and _buffer(results[0]) is None:  # type: ignore[arg-type]
         return _PLAIN  # a zero-byte factory or copy: nothing to pool
     return rule
+
+
+def op_sequence(gm: GraphModule) -> tuple[object, ...]:
+    """The ops a graph runs, in order, without the size arithmetic of a symbolic trace: two
+    traces of one step that run the same ops compute the same bits (at their sizes)."""
+    return tuple(
+        n.target
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is not operator.getitem and not size_arithmetic(n)
+    )
+
+
+def size_arithmetic(node: Node) -> bool:
+    """Whether ``node`` computes a size (``sym_size``, ``8 * s0``): a number from numbers
+    and the sizes of tensors, in a graph traced with symbolic sizes."""
+    if node.target is aten.sym_size.int or node.target is aten.sym_numel.default:
+        return True
+    numbers = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+    return (
+        callable(node.target)
+        and not isinstance(node.target, OpOverload)
+        and isinstance(node.meta.get("val"), numbers)
+        and all(isinstance(n.meta.get("val"), numbers) for n in node.all_input_nodes)
+    )
 
 
 # Batch norm on a low-precision input with float32 parameters (autocast): the CPU kernel keeps

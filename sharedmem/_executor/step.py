@@ -11,6 +11,7 @@ step pays nothing for it. Every step reports its latest call's peak, planned and
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -27,7 +28,15 @@ from .binding import State
 from .calling import OwnLoss, check_targets
 from .cost import call_cost, graph_cost
 from .distributed import GradientSync, after_forward, sync_buffers
-from .executor import Compiled, Executor, MemoryPlan, describe, returned_bytes, routed_summary
+from .executor import (
+    Compiled,
+    Executor,
+    MemoryPlan,
+    data_family,
+    describe,
+    returned_bytes,
+    routed_summary,
+)
 from .plan import PlanSummary
 from .policy import Recompute
 from .trace import Traced, flatten, trace_forward, trace_train
@@ -362,25 +371,50 @@ class PooledTrainStep(_Step):
         key = (*traced_key, present, recompute)
         compiled = self._cache.get(key)
         if compiled is None:
+            started = time.perf_counter()
             self._check_devices(state, x, y)
-            traced = self._traced.get(traced_key) or self.capture.trace(
-                binding, lambda: trace_train(self.model, self.loss_fn, binding, state, x, y)
-            )
-            traced = self._with_grads(traced, state, present)
             label = describe("train step", x, y)
             if any(present):
                 label += ", adding into existing gradients"
             n_data = len(x.tensors) + len(y.tensors)
-            compiled = self._build(
-                traced,
-                label=label,
-                n_data=n_data,
-                autocast=mode.autocast,
-                outputs_in_pool=False,
-                grad_ready=None if self._sync is None else self._sync.ready,
-                recompute=recompute,
-            )
+
+            def build(traced: Traced) -> Compiled:
+                return self._build(
+                    self._with_grads(traced, state, present),
+                    label=label,
+                    n_data=n_data,
+                    autocast=mode.autocast,
+                    outputs_in_pool=False,
+                    grad_ready=None if self._sync is None else self._sync.ready,
+                    recompute=recompute,
+                )
+
+            # A signature that differs from an earlier one only in its data's sizes is
+            # served by one graph traced with those sizes as symbols (``Executor.shared``).
+            data = data_family(x, y)
+            family = None if data is None else (state.key, data, mode)
+            if family is not None and traced_key not in self._traced:
+                compiled = self.shared(
+                    family,
+                    key[len(traced_key) :],
+                    [*x.tensors, *y.tensors],
+                    label,
+                    lambda dims: self.capture.trace(
+                        binding,
+                        lambda: trace_train(
+                            self.model, self.loss_fn, binding, state, x, y, dynamic=dims
+                        ),
+                    ),
+                    build,
+                )
+            if compiled is None:
+                traced = self._traced.get(traced_key) or self.capture.trace(
+                    binding, lambda: trace_train(self.model, self.loss_fn, binding, state, x, y)
+                )
+                self.first_of(family, traced)
+                compiled = build(traced)
             self._cache[key] = compiled
+            self.capture_seconds += time.perf_counter() - started
         if self._sync is not None:
             self._sync.begin(state.params)
         held = [

@@ -26,11 +26,17 @@ from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensorMode,
     UnsupportedOperatorException,
 )
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.symbolic_shapes import (
+    DimDynamic,
+    GuardOnDataDependentSymNode,
+    ShapeEnv,
+    StatelessSymbolicContext,
+)
 
 from .._errors import SharedMemError, quiet_fake_tensor_failures
 from .._validate import call_loss_fn
@@ -117,6 +123,12 @@ class Traced:
     gm: GraphModule
     stored: tuple[Place, ...]
     spec: pytree.TreeSpec | None = None  # the model output's tree (forward graphs)
+    # A graph traced with symbolic sizes (``dynamic``): whether it serves data tensors of
+    # other sizes (its shape guards, evaluated on them); ``None`` for a graph of fixed sizes.
+    serves: Callable[[Sequence[torch.Tensor]], bool] | None = None
+    # And the bytes of every storage and numel-times-itemsize its values have, for data
+    # tensors of another size (what a recorded allocation's size is matched against).
+    sizes: Callable[[Sequence[torch.Tensor]], list[int]] | None = None
 
 
 def trace_train(
@@ -126,12 +138,15 @@ def trace_train(
     state: State,
     inputs: Leaves,
     targets: Leaves,
+    dynamic: Sequence[frozenset[int]] | None = None,
 ) -> Traced:
     """Trace ``loss, *grads, *stored = f(*params, *buffers, *inputs, *targets)``.
 
     One gradient per parameter (``None`` where the parameter does not require grad or does
     not reach the loss), as ``torch.autograd.grad`` returns them. ``loss_fn`` runs with the
     traced parameters in place too, so a loss that reads them (a weight penalty) is traced.
+    ``dynamic``: per input and target tensor, the dimensions traced as symbols (see
+    ``_symbolic``); the graph then computes every size from its inputs' sizes.
     """
     n_params, n_buffers, n_inputs = len(state.params), len(state.buffers), len(inputs.tensors)
     wants_grad = [p.requires_grad for p in state.params]
@@ -169,8 +184,10 @@ def trace_train(
     ]
     what = f"the train step of {type(model).__name__}"
     given = f"the inputs ({_shapes(inputs)}) and targets ({_shapes(targets)})"
-    gm = _grad_mode_ops(_trace(joint, flat, what, binding, given))
-    return Traced(gm, stored[-1])
+    if dynamic is None:
+        return Traced(_grad_mode_ops(_trace(joint, flat, what, binding, given)), stored[-1])
+    gm, serves, sizes = _symbolic(joint, flat, dynamic, what, binding, given)
+    return Traced(_grad_mode_ops(gm), stored[-1], serves=serves, sizes=sizes)
 
 
 def trace_forward(model: nn.Module, binding: Binding, state: State, inputs: Leaves) -> Traced:
@@ -230,8 +247,96 @@ def _detached(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach() if t.requires_grad else t for t in tensors]
 
 
+def _symbolic(
+    fn: Callable[..., Any],
+    flat: list[torch.Tensor],
+    dynamic: Sequence[frozenset[int]],
+    what: str,
+    binding: Binding,
+    given: str,
+) -> tuple[
+    GraphModule,
+    Callable[[Sequence[torch.Tensor]], bool],
+    Callable[[Sequence[torch.Tensor]], list[int]],
+]:
+    """Trace ``fn`` with the dimensions ``dynamic`` of its last ``len(dynamic)`` inputs as
+    symbols (as Dynamo traces a dimension it marked dynamic), the others fixed.
+
+    Returns the graph, whose nodes compute every size from the inputs' (``sym_size`` and
+    integer arithmetic), and its shape guards as a function of data tensors: whatever the
+    trace assumed about the symbols (a branch on a length, a contiguous layout), true for
+    them. The graph's values (``meta["val"]``) are then made concrete again at the traced
+    call's sizes, so planning and recomputation see one concrete instance of it; that
+    instance's decisions are valid at every size (they change where values live and what
+    is computed twice, not what is computed).
+    """
+    from torch._dynamo.source import LocalSource  # imported by tracing anyway (_tracing_ready)
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    first = len(flat) - len(dynamic)
+    mode = FakeTensorMode(
+        allow_non_fake_inputs=True, shape_env=ShapeEnv(duck_shape=False, specialize_zero_one=True)
+    )
+    fixed = [mode.from_tensor(t, static_shapes=True) for t in flat[:first]]
+    data = [
+        mode.from_tensor(
+            t,
+            source=LocalSource(f"t{k}"),
+            symbolic_context=StatelessSymbolicContext(
+                dynamic_sizes=[
+                    DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.dim())
+                ]
+            ),
+        )
+        for k, (t, dims) in enumerate(zip(flat[first:], dynamic, strict=True))
+    ]
+    # "fake", not "symbolic": make_fx's symbolic mode turns on PyTorch's python dispatcher,
+    # which runs composite ops through Python decompositions (dropout as native_dropout, an
+    # LSTM unrolled): the fake mode of symbolic inputs traces the C++ kernels eager runs.
+    gm = _trace(fn, [*fixed, *data], what, binding, given)
+    shape_env = mode.shape_env
+    assert shape_env is not None
+    code = shape_env.produce_guards_expression(data)
+
+    def serves(tensors: Sequence[torch.Tensor]) -> bool:
+        return code is None or bool(shape_env.evaluate_guards_expression(code, tensors))
+
+    exprs = list(dict.fromkeys(_byte_sizes(gm)))
+
+    def sizes(tensors: Sequence[torch.Tensor]) -> list[int]:
+        values = shape_env.bind_symbols(data, tensors)
+        found = []
+        for e in exprs:
+            try:
+                found.append(e if isinstance(e, int) else int(e.xreplace(values)))
+            except TypeError:  # a symbol the inputs do not bind
+                found.append(-1)
+        return found
+
+    concrete = FakeTensorMode(allow_non_fake_inputs=True)
+    with _LOCK:
+        FakeTensorProp(gm, concrete).propagate(*(concrete.from_tensor(t) for t in flat))
+    return gm, serves, sizes
+
+
+def _byte_sizes(gm: GraphModule) -> Iterator[Any]:
+    """The bytes of each value's storage, and its elements times each itemsize, as sympy
+    expressions of the symbolic sizes (what the allocations of a call are)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        for v in val if isinstance(val, (list, tuple)) else [val]:
+            if isinstance(v, torch.Tensor):
+                numel = v.numel()
+                for n in (v.untyped_storage().nbytes(), *(numel * k for k in (1, 2, 4, 8))):
+                    yield n.node.expr if isinstance(n, torch.SymInt) else int(n)
+
+
 def _trace(
-    fn: Callable[..., Any], flat: list[torch.Tensor], what: str, binding: Binding, given: str
+    fn: Callable[..., Any],
+    flat: list[torch.Tensor],
+    what: str,
+    binding: Binding,
+    given: str,
 ) -> GraphModule:
     try:
         with _LOCK, quiet_fake_tensor_failures():  # said below in one line, not torch's 25

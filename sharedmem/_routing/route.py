@@ -189,6 +189,14 @@ class Route:
             if self.plan is None:
                 self._adopt(recording, lane)
 
+    def derive(self, recording: Recording) -> None:
+        """Plan ``recording``, a sequence derived rather than recorded (another size of a
+        graph traced with symbolic sizes), before this route's first call: that call then
+        replays it, and where it leaves it, it is recorded anew as any divergence is."""
+        with self._lock:
+            if self.plan is None:
+                self._adopt(recording, self._arena)
+
     def unalias(self, tensors: list[torch.Tensor], first: int) -> list[torch.Tensor]:
         """``tensors`` with those from ``first`` on that view the arena's bytes (a pool view an
         earlier step returned, fed back in) copied out first: the step's own allocations may

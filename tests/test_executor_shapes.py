@@ -1,0 +1,197 @@
+"""One capture for every length: a train step whose data sizes change is traced once with the
+changing dimensions symbolic, and every later size is served by that graph, bit for bit
+eager's (issue 34, item 4)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sharedmem as sm
+
+
+class TinyLM(nn.Module):
+    """Embedding, learned positions, one causal attention block with dropout, a tied head."""
+
+    def __init__(self, vocab: int = 31, width: int = 16, heads: int = 2, p: float = 0.1) -> None:
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(64, width)
+        self.ln = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
+        self.drop = nn.Dropout(p)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        x = self.tok(idx) + self.pos(torch.arange(t))
+        c = x.shape[-1]
+        q, k, v = self.qkv(self.ln(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        att = self.drop(att.masked_fill(mask, float("-inf")).softmax(-1))
+        x = x + (att @ v).transpose(1, 2).reshape(b, t, c)
+        x = x + self.drop(self.mlp(x))
+        return x @ self.tok.weight.t()
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def batch(b: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(0, 31, (b, t + 1), generator=torch.Generator().manual_seed(seed))
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def run_both(
+    model: nn.Module,
+    shapes: list[tuple[int, int]],
+    *,
+    routing: bool = True,
+    heavy: bool | float = False,
+) -> sm.BufferPool:
+    """Eager and the pooled step on copies of ``model`` over batches of ``shapes``: every
+    loss and gradient equal bit for bit, step after step (with AdamW between)."""
+    eager, pooled = model, copy.deepcopy(model)
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(pooled, lm_loss, pool=pool)
+    step.routing = routing
+    step.recompute_heavy = heavy
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, pooled)]
+    for i, (b, t) in enumerate(shapes):
+        x, y = batch(b, t, i)
+        for opt in opts:
+            opt.zero_grad()
+        torch.manual_seed(100 + i)
+        expected = lm_loss(eager(x), y)
+        expected.backward()
+        torch.manual_seed(100 + i)
+        got = step(x, y)
+        assert torch.equal(got, expected.detach()), f"loss of step {i} ({b}x{t})"
+        for (name, p), q in zip(eager.named_parameters(), pooled.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), f"{name}.grad of step {i} ({b}x{t})"
+        for opt in opts:
+            opt.step()
+    return pool
+
+
+def captures(pool: sm.BufferPool) -> tuple[int, int]:
+    stats = pool.stats()
+    return stats.get("captures", 0), stats.get("symbolic_captures", 0)
+
+
+def test_one_symbolic_capture_serves_every_length() -> None:
+    torch.manual_seed(0)
+    lengths = [5, 9, 13, 7, 21, 9, 30, 2]
+    pool = run_both(TinyLM(), [(4, t) for t in lengths])
+    # the first length's own graph, then one symbolic graph for every other length
+    assert captures(pool) == (2, 1)
+    stats = pool.stats()
+    assert stats.get("symbolic_fallbacks", 0) == 0
+    # recorded: the first length and the symbolic graph's first; every other length's plan
+    # is derived from those recordings and replayed from its first call, never diverging
+    assert stats["recorded_calls"] == 2
+    assert stats["derived_plans"] == 5
+    assert stats.get("diverged_calls", 0) == 0
+
+
+def test_a_changing_batch_size_joins_the_symbols_once() -> None:
+    torch.manual_seed(1)
+    shapes = [(4, 8), (4, 12), (2, 12), (3, 5), (4, 17), (2, 8), (5, 3)]
+    pool = run_both(TinyLM(), shapes)
+    # 4x8 alone, then one graph with the length and the batch symbolic: never again
+    assert captures(pool) == (2, 1)
+
+
+def test_train_length_and_a_short_last_batch() -> None:
+    torch.manual_seed(2)
+    shapes = [(4, 16)] * 3 + [(4, 6)] + [(4, 16)] * 2 + [(4, 6)]
+    pool = run_both(TinyLM(), shapes)
+    assert captures(pool) == (2, 1)
+
+
+def test_heavy_recomputation_holds_at_every_length() -> None:
+    torch.manual_seed(3)
+    pool = run_both(TinyLM(), [(3, t) for t in (6, 11, 4, 15)], heavy=True)
+    assert captures(pool) == (2, 1)
+
+
+class LengthBranch(nn.Module):
+    """A forward that takes another path past a length: the symbolic graph guards on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(31, 8)
+        self.head = nn.Linear(8, 31)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        if idx.shape[1] > 10:
+            x = x * 2.0
+        return self.head(torch.relu(x))
+
+
+def test_a_guard_on_a_length_gives_that_length_its_own_graph() -> None:
+    torch.manual_seed(4)
+    lengths = [4, 6, 8, 12, 14, 5]
+    pool = run_both(LengthBranch(), [(2, t) for t in lengths])
+    captured, symbolic = captures(pool)
+    assert symbolic == 1
+    # 4 alone, 6 symbolic (guarding t <= 10): 12 and 14 fail the guard and are traced each
+    assert captured == 4
+
+
+def test_without_routing_every_size_is_traced_and_the_reason_recorded() -> None:
+    torch.manual_seed(5)
+    model = TinyLM(p=0.0)
+    pool = run_both(model, [(2, t) for t in (4, 6, 8)], routing=False)
+    assert captures(pool) == (3, 0)
+    assert pool.stats()["symbolic_fallbacks"] == 1
+
+
+def test_the_fallback_reason_is_on_the_step() -> None:
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(TinyLM(p=0.0), lm_loss, pool=pool)
+    step.routing = False
+    for t in (4, 6):
+        step(*batch(2, t, t))
+    assert "slot plan" in step.shape_fallback
+    assert step.capture_seconds > 0
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_length_of_one_is_never_traced_as_a_symbol(t: int) -> None:
+    # a size of 1 would be specialised by the symbolic trace: such a call is traced alone
+    torch.manual_seed(6)
+    shapes = [(2, t), (2, 1), (2, 4), (2, 1), (2, 7)]
+    pool = run_both(TinyLM(), shapes)
+    assert captures(pool)[1] == 1
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(31, 8)
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 31)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.tok(idx))[0])
+
+
+def test_a_symbolic_trace_running_other_ops_falls_back() -> None:
+    # PyTorch's symbolic trace runs the LSTM through its Python decomposition, unrolled over
+    # the length: other ops than eager's kernel, so every length keeps a graph of its own
+    torch.manual_seed(7)
+    pool = run_both(Recurrent(), [(2, 7), (2, 5), (2, 6)])
+    assert captures(pool) == (4, 0)
+    assert pool.stats()["symbolic_fallbacks"] == 1
