@@ -13,8 +13,14 @@ that the step needs: for eager DDP its reducer's gradient buckets (the parameter
 allocated outside the step), for the pooled step the pool's ``reserved_bytes`` (activation
 slots and the same buckets).
 
+FSDP2: the same models sharded with ``fully_shard`` (each child with parameters, then the
+root), prepared by ``sm.prepare_fsdp``, their eager step inside ``pool.step()`` against the
+same step of eager FSDP2; memory as above, the pooled step's plus the pool's ``reserved_bytes``
+(its arena), and the share of the step's dying bytes the arena served per call.
+
 Models: the MLP and the ResNet-style CNN of ``bench_step_memory``, float32 on CPU.
-Target (DESIGN §7): pooled DDP step time <= 1.05x eager DDP on 2 CPU ranks.
+Target (DESIGN §7): pooled DDP step time <= 1.05x eager DDP on 2 CPU ranks; FSDP2's per-rank
+peak at most eager FSDP2's.
 
     python benchmarks/bench_distributed.py [--quick] [--json PATH]
 """
@@ -108,6 +114,60 @@ def _measure(rank: int, name: str, quick: bool) -> dict[str, float]:
     }
 
 
+def _sharded(make: Callable[[], nn.Module], mesh: object) -> nn.Module:
+    # As torchtitan shards: each child with parameters, then the root.
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = make()
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh)  # type: ignore[arg-type]
+    return model
+
+
+def _measure_fsdp(rank: int, name: str, quick: bool) -> dict[str, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _, make, data, _ = next(case for case in CASES if case[0] == name)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    eager = _sharded(make, mesh)
+    pooled = sm.prepare_fsdp(_sharded(make, mesh))
+    torch.manual_seed(rank)  # every rank its own batch
+    x, y = data(16 if quick else 32)
+    loss_fn = nn.functional.cross_entropy
+    pool = sm.BufferPool("cpu")
+
+    def eager_step() -> None:
+        eager.zero_grad()
+        loss_fn(eager(x), y).backward()
+
+    def pooled_step() -> None:
+        pooled.zero_grad()
+        with pool.step("train", x, y):
+            loss_fn(pooled(x), y).backward()
+
+    rounds, number = (5, 3) if quick else (21, 5)
+    times = interleaved({"eager": eager_step, "pooled": pooled_step}, rounds=rounds, number=number)
+    # The least of three: gloo's worker thread frees its copies of a collective's buffers when
+    # it drops the work, so a step's peak varies by how the threads ran (in both steps).
+    eager_peak = min(allocator_peak(eager_step) for _ in range(3))
+    pooled_peak = min(allocator_peak(pooled_step) for _ in range(3))
+    pooled_peak += pool.stats()["reserved_bytes"]
+    stats = pool.stats()
+    calls = max(stats.get("replayed_calls", 0), 1)
+    return {
+        "eager_s": times["eager"],
+        "pooled_s": times["pooled"],
+        "eager_peak": eager_peak,
+        "pooled_peak": pooled_peak,
+        "served": stats.get("arena_served_bytes", 0) / calls,
+        "beside": stats.get("arena_fallback_bytes", 0) / calls,
+        "diverged": stats.get("diverged_calls", 0),
+    }
+
+
 def _rank_main(rank: int, port: int, quick: bool, out: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     # As the distributed demo: torch._dynamo (which DDP imports) imported before the group, so
@@ -118,6 +178,7 @@ def _rank_main(rank: int, port: int, quick: bool, out: str) -> None:
     torch.set_num_threads(1)
     try:
         figures = {name: _measure(rank, name, quick) for name in MODELS}
+        figures.update({f"fsdp-{name}": _measure_fsdp(rank, name, quick) for name in MODELS})
         Path(out, f"rank{rank}.json").write_text(json.dumps(figures))
     finally:
         gc.collect()  # the DDP wrappers' cycles, which hold the group
@@ -162,6 +223,34 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
                     baseline=eager,
                     target="<= 1.0x eager DDP",
                     ok=pooled <= eager,
+                )
+            )
+    for name in MODELS:
+        key = f"fsdp-{name}"
+        eager_s = max(r[key]["eager_s"] for r in ranks)
+        pooled_s = max(r[key]["pooled_s"] for r in ranks)
+        rows.append(
+            row(
+                f"{name} FSDP2 step time in pool.step(), {WORLD} ranks",
+                pooled_s,
+                "s",
+                baseline=eager_s,
+                target="<= 1.05x eager FSDP2",
+                ok=pooled_s <= 1.05 * eager_s,
+            )
+        )
+        for rank, figures in enumerate(ranks):
+            f = figures[key]
+            share = f["served"] / max(f["served"] + f["beside"], 1)
+            rows.append(
+                row(
+                    f"{name} FSDP2 step peak, rank {rank} ({share:.0%} of the step's dying "
+                    f"bytes from the pool, {f['diverged']:.0f} replays off plan)",
+                    f["pooled_peak"],
+                    "B",
+                    baseline=f["eager_peak"],
+                    target="<= 1.0x eager FSDP2",
+                    ok=f["pooled_peak"] <= f["eager_peak"] and not f["diverged"],
                 )
             )
     return rows

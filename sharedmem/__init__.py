@@ -12,6 +12,7 @@ from ._backends import backend_names
 from ._blob import Blob
 from ._devices import available_devices
 from ._errors import OutOfMemoryError, SharedMemError
+from ._executor.fsdp import prepare_fsdp
 from ._executor.policy import Recompute
 from ._offload import save_on_pool
 from ._planning import (
@@ -51,6 +52,7 @@ __all__ = [
     "install_cuda_router",
     "pooled_forward",
     "pooled_train_step",
+    "prepare_fsdp",
     "save_on_pool",
     "track_memory",
 ]

@@ -132,6 +132,26 @@ def test_distributed_demo_runs_on_two_ranks_and_prints_their_memory() -> None:
     assert "torchrun --standalone --nproc-per-node 2" in alone.stderr
 
 
+def test_distributed_fsdp_demo_matches_eager_fsdp2_on_two_ranks() -> None:
+    # FSDP2 inside pool.step() beside eager FSDP2: every loss equal (the demo's verdict, exit
+    # 0), each rank's peak against eager's, and a clean end (torchrun reports no failure).
+    command = ["-m", "sharedmem", "demo", "--distributed", "--fsdp", "--steps", "4"]
+    command += ["--train-batch", "64"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    done = subprocess.run([*torchrun, "2", *command], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "distributed demo (FSDP2): 2 ranks (gloo)" in done.stdout
+    rows = [
+        line.split() for line in done.stdout.splitlines() if line.strip().startswith(("0 ", "1 "))
+    ]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "equal" for row in rows)
+    # Without --distributed there are no ranks to shard over: one line, exit 2.
+    alone = subprocess.run(
+        [sys.executable, "-m", "sharedmem", "demo", "--fsdp"], text=True, capture_output=True
+    )
+    assert alone.returncode == 2 and "add --distributed" in alone.stderr
+
+
 def test_cli_without_a_command_says_how_to_use_it() -> None:
     done = subprocess.run([sys.executable, "-m", "sharedmem"], capture_output=True, text=True)
     assert done.returncode == 2 and "usage: sharedmem" in done.stderr

@@ -266,8 +266,11 @@ def refuses_what_it_cannot_honour(rank: int, world: int) -> None:
         "communication hook": lambda: hooked,
     }
     for what, make in wrappers.items():
-        with pytest.raises(TypeError, match="^sharedmem: .*" + re.escape(what)):
+        with pytest.raises(TypeError, match="^sharedmem: .*" + re.escape(what)) as refused:
             sm.pooled_train_step(make(), nn.functional.mse_loss, pool=sm.BufferPool())
+        # Each names a way in: FSDP2 the eager step inside pool.step (tested below).
+        way = "pool.step(" if what == "fully_shard" else "DistributedDataParallel"
+        assert way in str(refused.value), str(refused.value)
 
 
 def _grads_with_and_without_offload(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -313,6 +316,91 @@ def save_on_pool_keeps_gradients(rank: int, world: int) -> None:
     _grads_with_and_without_offload(model, x)
 
 
+def _fsdp2_mlp(mesh: object, reshard: bool) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)  # type: ignore[arg-type]
+    return model
+
+
+FSDP_STEPS = 6
+
+
+@case
+def pool_step_around_eager_fsdp2_matches_it(rank: int, world: int) -> None:
+    # The eager FSDP2 step inside pool.step(), the model prepared by sm.prepare_fsdp: the same
+    # losses and full gradients as eager FSDP2, bit for bit, over many steps, per layer and at
+    # the root, reshard_after_forward True and False, and accumulating two micro-batches
+    # (set_requires_gradient_sync(False) on the first). Every call after a block's first
+    # follows its plan, FSDP2's all-gather and reduce-scatter buffers served from the arena.
+    # Problems are collected and raised at the end: a rank that stopped early would leave the
+    # others waiting in a collective.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    problems: list[str] = []
+    for reshard in (True, False):
+        for micro in (1, 2):
+            torch.manual_seed(0)
+            eager = _fsdp2_mlp(mesh, reshard)
+            torch.manual_seed(0)
+            pooled = sm.prepare_fsdp(_fsdp2_mlp(mesh, reshard))
+            pool = sm.BufferPool("cpu")
+            opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, pooled)]
+            for i in range(FSDP_STEPS):
+                when = f"reshard_after_forward={reshard} micro-batches={micro} step {i}"
+                for opt in opts:
+                    opt.zero_grad()
+                for k in range(micro):
+                    for m in (eager, pooled):
+                        m.set_requires_gradient_sync(k == micro - 1)  # type: ignore[operator]
+                    x, y = _batch(eager, rank, micro * i + k)
+                    expected = nn.functional.mse_loss(eager(x), y)
+                    expected.backward()
+                    with pool.step(f"micro{k}", x, y):  # each micro-batch's own sequence
+                        loss = nn.functional.mse_loss(pooled(x), y)
+                        loss.backward()
+                    if not torch.equal(loss.detach(), expected.detach()):
+                        problems.append(f"{when}: the loss of micro-batch {k} differs")
+                pairs = zip(eager.named_parameters(), pooled.parameters(), strict=True)
+                for (name, a), b in pairs:
+                    if not torch.equal(_full(a.grad), _full(b.grad)):  # a collective
+                        problems.append(f"{when}: {name}.grad differs from eager FSDP2's")
+                for opt in opts:
+                    opt.step()
+            stats = pool.stats()
+            routed = sm._routing.native() is not None  # the router was built: the arena served
+            if routed and (stats.get("diverged_calls", 0) or not stats.get("arena_served_bytes")):
+                problems.append(f"{when}: {stats}")
+    assert not problems, "\n".join(problems)
+
+
+@case
+def fsdp2_refusals_name_the_alternative(rank: int, world: int) -> None:
+    # What pool.step() cannot plan yet is refused before anything runs, with the way out.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    offloaded = fully_shard(_mlp(), mesh=init_device_mesh("cpu", (world,)))
+    # CPU offload needs an accelerator to be built at all: set as fully_shard sets it there.
+    for group in offloaded._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
+        group.offload_policy = CPUOffloadPolicy()
+    refused: dict[str, tuple[Callable[[], nn.Module], str]] = {
+        "an HSDP mesh": (lambda: fully_shard(_mlp(), mesh=hsdp), "1-D mesh"),
+        "a CPU offload policy": (lambda: offloaded, "without offload_policy"),
+        "no such module": (_mlp, "needs no preparation"),
+    }
+    for what, (make, alternative) in refused.items():
+        with pytest.raises(TypeError, match="^sharedmem: .*" + re.escape(what)) as error:
+            sm.prepare_fsdp(make())
+        assert alternative in str(error.value), str(error.value)
+
+
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     # As the distributed demo: nothing keeps the group past destroy_process_group, which then
@@ -329,7 +417,12 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
                 results[name] = None
             except Exception:
                 results[name] = traceback.format_exc()
-            dist.barrier()
+            try:
+                dist.barrier()
+            except Exception:  # a rank stuck in a case: the group is broken, stop here
+                results[name] = (results[name] or "") + "the barrier after it failed:\n"
+                results[name] += traceback.format_exc()
+                break
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
         gc.collect()
@@ -390,6 +483,14 @@ def test_out_of_memory_message_names_the_rank(ranks: Ranks) -> None:
 
 def test_wrappers_it_cannot_honour_are_refused(ranks: Ranks) -> None:
     _check(ranks, "refuses_what_it_cannot_honour")
+
+
+def test_pool_step_around_eager_fsdp2_gives_its_gradients(ranks: Ranks) -> None:
+    _check(ranks, "pool_step_around_eager_fsdp2_matches_it")
+
+
+def test_fsdp2_it_cannot_plan_yet_is_refused_with_the_alternative(ranks: Ranks) -> None:
+    _check(ranks, "fsdp2_refusals_name_the_alternative")
 
 
 def test_save_on_pool_under_ddp_and_fsdp2_keeps_gradients(

@@ -78,12 +78,20 @@ def _init(config: DemoConfig) -> tuple[int, int, str]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def run_distributed_demo(config: DemoConfig) -> int:
+def run_distributed_demo(config: DemoConfig, *, fsdp: bool = False) -> int:
     """Train and evaluate on every rank; rank 0 prints the figures. Returns the exit status:
     0, or 1 when a loss is not finite, the pooled losses differ from eager DDP's, or an
-    evaluation at a batch no larger than training's added bytes on some rank."""
+    evaluation at a batch no larger than training's added bytes on some rank.
+
+    ``fsdp``: shard the model with ``fully_shard`` (FSDP2) instead, run its eager step inside
+    ``pool.step()`` beside eager FSDP2, and require the same losses bit for bit."""
+    if fsdp and config.device != "cpu":
+        raise SharedMemError(
+            "sharedmem: demo --distributed --fsdp runs on CPU ranks (gloo) for now; drop "
+            f"--device {config.device}"
+        )
     rank, world, device = _init(config)
-    failure = _train(config, rank, world, device)
+    failure = (_train_fsdp if fsdp else _train)(config, rank, world, device)
     # Every object that held the group (the DDP wrappers, the pooled step's gradient sync) is
     # gone with _train's frame, once their reference cycles are collected: destroying the group
     # then drops its last reference, and its worker threads are joined here, while the
@@ -161,6 +169,77 @@ def _train(config: DemoConfig, rank: int, world: int, device: str) -> str | None
     if failure is None and fits and any(f.eval_added for f in figures):
         failure = "evaluation added bytes on a rank"
     return failure
+
+
+def _train_fsdp(config: DemoConfig, rank: int, world: int, device: str) -> str | None:
+    """The FSDP2 run on this rank: the MLP sharded per layer and at the root, its eager step
+    inside ``pool.step()`` beside the same model trained by eager FSDP2; returns what failed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .._executor.fsdp import prepare_fsdp
+
+    mesh = init_device_mesh(device, (world,))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(config.seed)  # the same initial weights in both, on every rank
+        model = _mlp(config)
+        for layer in model.children():
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        models.append(model)
+    pooled, eager = models
+    prepare_fsdp(pooled)
+    pool = BufferPool(device)
+    loss_fn = nn.functional.cross_entropy
+    opts = [torch.optim.SGD(m.parameters(), lr=config.lr) for m in (pooled, eager)]
+    data = SyntheticData(DemoConfig(**{**config.__dict__, "seed": config.seed + rank}))
+    say: Callable[..., None] = print if rank == 0 else (lambda *a, **k: None)
+    say(
+        f"distributed demo (FSDP2): {world} ranks ({dist.get_backend()}), the MLP "
+        f"{config.features}-{config.hidden}-{config.hidden}-{config.classes} sharded per layer "
+        f"and at the root, batch {config.train_batch} per rank; pool.step() against eager FSDP2"
+    )
+    differs = 0
+    for index in range(config.steps):
+        x, y = data.batch(config.train_batch)
+        for opt in opts:
+            opt.zero_grad()
+        with pool.step("train", x, y):
+            loss = loss_fn(pooled(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+        expected = loss_fn(eager(x), y)
+        expected.backward()  # type: ignore[no-untyped-call]
+        differs += int(not torch.equal(loss.detach(), expected.detach()))
+        for opt in opts:
+            opt.step()
+        if (index + 1) % config.eval_every == 0 or index + 1 == config.steps:
+            say(
+                f"  step {index + 1:4d}: train loss {_mean(loss.detach()):.4f} (eager FSDP2 "
+                f"{_mean(expected.detach()):.4f})"
+            )
+    routes = list(pool._blocks.routes().values())  # the demo's one block
+    route = routes[0] if routes else None
+    recording, plan = (route.recording, route.plan) if route is not None else (None, None)
+    eager_peak = recording.live_peak() if recording is not None else 0
+    pooled_peak = pool.stats()["reserved_bytes"] + (plan.beside_peak if plan else eager_peak)
+    served = plan.routed_bytes if plan is not None else 0
+    total = recording.total_bytes if recording is not None else 0
+    mine = (rank, eager_peak, pooled_peak, served, total, differs)
+    gathered: list[tuple[int, ...] | None] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    say("per rank, one step (the pool's peak: its arena plus the most bytes beside it):")
+    say(f"  {'rank':>4}  {'eager FSDP2':>12}  {'pool.step':>10}  {'from the pool':>14}  losses")
+    for f in (g for g in gathered if g is not None):
+        same = "equal" if f[5] == 0 else f"{f[5]} differ"
+        say(
+            f"  {f[0]:>4}  {human_bytes(f[1]):>12}  {human_bytes(f[2]):>10}  "
+            f"{human_bytes(f[3]):>6} of {human_bytes(f[4]):>6}  {same}"
+        )
+    if any(g is not None and g[5] for g in gathered):
+        return "the pooled losses differ from eager FSDP2's"
+    return None
 
 
 def _mean(value: torch.Tensor) -> float:

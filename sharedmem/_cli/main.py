@@ -55,10 +55,12 @@ def _demo(args: argparse.Namespace) -> int:
         eval_batch=args.eval_batch,
         seed=args.seed,
     )
+    if args.fsdp and not args.distributed:
+        raise SharedMemError("sharedmem: --fsdp shards over ranks: add --distributed")
     if args.distributed:  # one process per rank (torchrun); loaded only then
         from .demo_distributed import run_distributed_demo
 
-        return run_distributed_demo(config)
+        return run_distributed_demo(config, fsdp=args.fsdp)
     result = run_demo(config, plot=args.plot)
     failure = demo_verdict(result["losses"], result["per_net_losses"])
     fit = result.get("fit")
@@ -139,6 +141,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one rank per process, launched by torchrun: DDP with a pooled step and one pool "
         "per rank; prints per-rank and total memory",
+    )
+    add(
+        "--fsdp",
+        action="store_true",
+        help="with --distributed: shard the model with fully_shard (FSDP2) and run its eager "
+        "step inside pool.step(), against eager FSDP2",
     )
     demo.set_defaults(run=_demo)
     add_stress_command(commands)

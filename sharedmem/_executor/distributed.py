@@ -17,7 +17,9 @@ copies the averaged values back into ``p.grad``.
 
 A wrapper whose semantics the pooled step cannot reproduce (FSDP, ``DataParallel``,
 ``replicate``, a DDP with communication hooks or mixed precision, a DDP subclass with its own
-``forward``) is refused: running the inner module would give silently wrong gradients.
+``forward``) is refused: running the inner module would give silently wrong gradients. An
+FSDP2 (``fully_shard``) model runs its eager step inside ``pool.step()`` instead
+(``fsdp.prepare_fsdp``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, Any]:
         what = refused(module)
         if what is not None:
             eager = "run this model eagerly (save_on_pool works there)"
+            if what.startswith("fully_shard"):
+                # Tested bit for bit against eager FSDP2 (tests/test_distributed.py).
+                eager = (
+                    "call sm.prepare_fsdp(model) once, then run its eager step inside "
+                    '`with pool.step("train", *inputs):`, which serves the step from the '
+                    "pool, FSDP2's all-gathers and reduce-scatters included, and gives eager "
+                    "FSDP2's gradients"
+                )
             raise TypeError(
                 f"sharedmem: {where} is wrapped by {what}, which a pooled step cannot honour "
                 "(its forward and backward do communication the pooled graph would skip, "

@@ -116,6 +116,19 @@ std::map<std::string, int64_t> end_replay() {
 
 int64_t live_bytes(uintptr_t base) { return g_state.live_bytes(base); }
 
+// This thread's scope set aside (0: none), and put back: what runs between is not the step's
+// (a collective's own temporaries, which its process group frees on a thread of its own).
+uintptr_t suspend() {
+  Scope* scope = t_scope;
+  t_scope = nullptr;
+  return reinterpret_cast<uintptr_t>(scope);
+}
+
+void resume(uintptr_t scope) {
+  TORCH_CHECK(t_scope == nullptr, "sharedmem: a step's scope was opened while one was set aside");
+  t_scope = reinterpret_cast<Scope*>(scope);
+}
+
 bool active() { return t_scope != nullptr; }
 
 }  // namespace
@@ -129,4 +142,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("end_replay", &end_replay);
   m.def("live_bytes", &live_bytes);
   m.def("active", &active);
+  m.def("suspend", &suspend);
+  m.def("resume", &resume);
 }
