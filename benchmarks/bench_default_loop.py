@@ -188,8 +188,8 @@ def run(name: str, entry_point: str) -> list[dict[str, Any]]:
     )
     stats = pool.stats()
     print(
-        f"{name} via {entry_point}: bit-exact {exact}; recorded {stats['recorded_calls']}, "
-        f"replanned {stats.get('replanned_calls', 0)}, diverged {stats['diverged_calls']}, "
+        f"{name} via {entry_point}: bit-exact {exact}; recorded {stats.get('recorded_calls', 0)}, "
+        f"replanned {stats.get('replanned_calls', 0)}, diverged {stats.get('diverged_calls', 0)}, "
         f"reserved {stats['reserved_bytes']:,}"
     )
     return rows

@@ -93,7 +93,7 @@ class Route:
             route grows the arena only while no training route has been planned on it.
     """
 
-    def __init__(self, host: ArenaHost, arena: str, *, training: bool) -> None:
+    def __init__(self, host: ArenaHost, arena: str, *, training: bool, expected: int = 0) -> None:
         self._host = host
         self._arena = arena
         self.training = training
@@ -164,11 +164,13 @@ class Route:
             self._plans.clear()
         capacity = self._capacity()
         planned = self._plans.get(fences)
-        if planned is None or planned.capacity != capacity:
-            # A new set of fences may grow the arena where that lowers the step's peak;
-            # another route's growth (or a trim) only makes the plan again for the arena as
-            # it is, so steady state is steady.
-            planned = self._adopt(self.recording, lane, fences, grow=planned is None)
+        if planned is None or capacity > planned.capacity:
+            # Only a plan over an arena no tensor holds may grow it (where that lowers the
+            # step's peak): bytes the user holds there (gradients during accumulation or an
+            # evaluation) are a passing state, and an arena grown for it would stay above
+            # what the other states need. Another route's growth only makes the plan again
+            # for the arena as it is, so steady state is steady.
+            planned = self._adopt(self.recording, lane, fences, grow=planned is None and not fences)
             self._host.count("replanned_calls", 1)
         else:
             self._plans.move_to_end(fences)
@@ -234,7 +236,7 @@ class Route:
                 self._redo = False
                 self._held = set()
                 self._plans.clear()
-                self.plan = self._adopt(recording, lane, fences, grow=True).plan
+                self.plan = self._adopt(recording, lane, fences, grow=not fences).plan
 
     def unalias(self, tensors: list[torch.Tensor], first: int) -> list[torch.Tensor]:
         """``tensors`` with those from ``first`` on that view the arena's bytes (a pool view an
@@ -284,8 +286,8 @@ class Route:
                 host.arenas.served_from(self._arena, view.data_ptr())
             except OutOfMemoryError:  # the limit's arithmetic was off: keep to what is there
                 plan = plan_offsets(spread, ceiling=self._capacity(), fences=fences)
-        capacity = self._capacity()
-        self.added_bytes = max(self.added_bytes, capacity - before)
+        covers = self._capacity()
+        self.added_bytes = max(self.added_bytes, covers - before)
         # To the router: -1 for what outlived the recorded call and stays PyTorch's (watched:
         # dying inside a later call, it says the recording is stale), -2 for what the plan
         # left out; and which placed allocations are meant to outlive the call.
@@ -296,7 +298,7 @@ class Route:
         outlives = [1 if f < 0 else 0 for f in recording.free_at]
         module = _module(host)
         assert module is not None, "a route is planned only where a router runs"
-        planned = _Planned(plan, module.Plan(list(recording.sizes), offsets, outlives), capacity)
+        planned = _Planned(plan, module.Plan(list(recording.sizes), offsets, outlives), covers)
         self._plans[fences] = planned
         while len(self._plans) > PLANS_PER_ROUTE:
             self._plans.popitem(last=False)

@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -220,8 +221,12 @@ class State {
     forget_pending(rec);
     // Arena allocations of this call alive now: kept where the plan said they outlive it,
     // escaped where it said they die inside it.
+    // From the last served back: bytes handed out again after a free belong to the latest.
     int64_t kept = 0, escaped = 0;
-    for (const Served& s : scope.served) {
+    std::set<uintptr_t> seen;
+    for (auto it = scope.served.rbegin(); it != scope.served.rend(); ++it) {
+      const Served& s = *it;
+      if (!seen.insert(s.start).second) continue;
       auto live = scope.arena->live.find(s.start);
       if (live == scope.arena->live.end() || live->second != s.end) continue;
       size_t i = static_cast<size_t>(s.index);
