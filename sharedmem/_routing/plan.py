@@ -180,7 +180,7 @@ def _pack(
     # The placed allocations, as arrays grown in place: start tick, end tick, offset, top;
     # the fences first, live at every tick.
     placed = np.zeros((4, len(fences) + max(1, len(order))), dtype=np.int64)
-    for k, (low, high) in enumerate(fences):
+    for k, (low, high) in enumerate(_aligned(fences)):
         placed[:, k] = (-1, _ALWAYS, low, high)
     count = len(fences)
     need = 0
@@ -302,7 +302,7 @@ def _grow_greedily(
     )
     arena = capacity
     offsets = [-1] * n
-    placed = [(-1, _ALWAYS, low, high) for low, high in fences]  # start, end, offset, top
+    placed = [(-1, _ALWAYS, low, high) for low, high in _aligned(fences)]  # start, end, at, top
     while pending:
         refused: list[int] = []
         for i in pending:
@@ -332,6 +332,14 @@ def _grow_greedily(
             break
         pending = refused
     return _described(recording, offsets)
+
+
+def _aligned(fences: Fences) -> Fences:
+    # A fence is a tensor's exact bytes (a 4-byte loss ends off the grid): widened to whole
+    # ``ALIGN`` units, so that what is packed after it starts on the grid too. An allocation
+    # at an unaligned address computes otherwise (a matrix product's kernel takes another
+    # path, its sums another order): the step would not equal eager's to the bit.
+    return tuple((low // ALIGN * ALIGN, -(-high // ALIGN) * ALIGN) for low, high in fences)
 
 
 def _top(values: np.ndarray) -> int:
