@@ -99,8 +99,10 @@ def test_the_measured_peak_is_the_allocators_and_the_plan_is_beside_it() -> None
         assert last is not None
         reserved = pool.stats()["device_reserved_bytes"]
         if call == 0:
+            # The recorded call: PyTorch's allocator served it (the arena was empty), and
+            # after it the arena is grown for its plan while what it made is still held.
             assert "recorded" in last.measured
-            assert abs(last.measured_peak - events) <= 64, (last, events)
+            assert events - 64 <= last.measured_peak <= events + reserved, (last, events)
         else:
             assert "checked against its plan" in last.measured
             assert last.measured_peak == events + reserved, (last, events, reserved)

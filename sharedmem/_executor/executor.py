@@ -570,8 +570,11 @@ class Executor:
             need: dict[str, int] = {}
             alone = {f"{self.prefix}0": routed_plan.need} if routed_plan.need else {}
         elif share:
-            # One arena, planned in the pool's own granularity (what it will really hold).
-            arena = f"{self.prefix}0"
+            # One arena, planned in the pool's own granularity (what it will really hold). Not
+            # the routed steps' arena (``prefix`` 0) where the router may serve one: it fences
+            # what a routed call leaves there (gradients, a loss, outputs the user holds),
+            # which a slot plan's fixed offsets would write over.
+            arena = f"{self.prefix}{1 if self._device_type in ('cpu', 'cuda') else 0}"
             granularity = max(16, self.pool.granularity)
             capacity = existing.get(arena, 0)
             must = frozenset(member[index[i]] for i in wanted)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ from .._validate import check_name
 if TYPE_CHECKING:
     from .pool import BufferPool
 
-__all__ = ["PLAN_CACHE_SIZE", "StepBlocks", "signature_of"]
+__all__ = ["PLAN_CACHE_SIZE", "StepBlocks", "grad_state", "signature_of"]
 
 # The most block signatures whose plans and recordings a pool keeps (least recently used
 # dropped): a signature costs about 100 bytes per allocation of its call, so 64 of a step
@@ -53,6 +54,29 @@ def signature_of(values: tuple[object, ...]) -> tuple[object, ...]:
     return tuple(key)
 
 
+def grad_state(params: torch.nn.Module | Iterable[torch.Tensor] | None) -> tuple[bool, ...]:
+    """Which of ``params`` have a gradient now (a block's signature holds it: a step that
+    makes gradients allocates other bytes than one that adds into them)."""
+    if params is None:
+        return ()
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    elif isinstance(params, torch.Tensor):
+        raise TypeError(
+            "sharedmem: params= takes a module or an iterable of tensors, not one tensor; "
+            "pass [tensor]"
+        )
+    state = []
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"sharedmem: params= must hold tensors, got a {type(p).__name__}; pass a "
+                "module or its parameters()"
+            )
+        state.append(p.grad is not None)
+    return tuple(state)
+
+
 class StepBlocks:
     """The routes of a pool's eager blocks, one per (block name, arena, signature), the
     ``size`` used most recently kept."""
@@ -65,16 +89,21 @@ class StepBlocks:
         self._evicted = 0
 
     def block(
-        self, name: str, inputs: tuple[object, ...], arena: str
+        self,
+        name: str,
+        inputs: tuple[object, ...],
+        arena: str,
+        params: torch.nn.Module | Iterable[torch.Tensor] | None = None,
     ) -> AbstractContextManager[None]:
         check_name(name, "step name")
         check_name(arena, "arena name")
+        grads = grad_state(params)
         pool = self._pool()
         assert pool is not None, "the pool is gone"
         if not routes_on(pool):
             # No router serves this pool's device (or none could be built): as it is.
             return nullcontext()
-        key = (name, arena, signature_of(inputs))
+        key = (name, arena, signature_of(inputs), grads)
         with self._lock:
             route = self._routes.get(key)
             if route is None:

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -387,20 +387,33 @@ class BufferPool:
     # ---- whole steps served from the pool ---------------------------------------------------
 
     def step(
-        self, name: str, *inputs: object, arena: str = "act.0"
+        self,
+        name: str,
+        *inputs: object,
+        arena: str = "act.0",
+        params: torch.nn.Module | Iterable[torch.Tensor] | None = None,
     ) -> contextlib.AbstractContextManager[None]:
         """Serve every allocation of the block from one arena of this pool (no tracing).
 
         The first run of a signature (``name``, the shapes, dtypes and devices of ``inputs``,
-        and whether autograd is on) runs as usual while its allocation sequence is recorded;
-        the sequence is planned at offsets of the arena buffer ``arena`` (a named buffer like
-        any other, shared with pooled steps of the same name: train and eval blocks share
-        its bytes), and later runs get those addresses. Allocations that outlive the block
-        (what it returns, gradients, anything kept) and any allocation of another thread
-        are PyTorch's as usual. A run that does something else (another sequence) is served
-        by PyTorch from there on and recorded anew: results are always those of the same
-        code without the block. On ``cuda`` pools, and where the router cannot be built, the
-        block runs as it is.
+        whether autograd is on, and which of ``params`` have a gradient) runs inside the
+        arena buffer ``arena`` as it is, each allocation at the first free range that holds
+        it (PyTorch's allocator serves only what does not fit), while its allocation sequence
+        is recorded; the sequence is then planned at offsets of the arena (a named buffer like
+        any other, shared with pooled steps of the same name: train and eval blocks, every
+        batch size and gradient state share its bytes, each planned into the arena as the
+        others left it), and later runs get those addresses. The arena grows only where a
+        plan lowers the step's peak by growing. Allocations that outlive the block (new
+        gradients, the loss) are planned into the arena too, in the room the activations
+        leave during backward: their bytes stay fenced while the user holds them, and are
+        free again once ``optimizer.zero_grad()`` frees them. One the user still holds when
+        the same block runs next (a gradient kept by ``zero_grad(set_to_none=False)``, a loss
+        kept in a list) is left to PyTorch's allocator from then on; a block that runs while
+        such tensors are held (an evaluation before ``zero_grad()``) is planned around them,
+        once. Any allocation of another thread is PyTorch's as usual. A run that does
+        something else (another sequence) is served by PyTorch from there on and recorded
+        anew: results are always those of the same code without the block. On ``cuda``
+        pools, and where the router cannot be built, the block runs as it is.
 
         The plans and recordings of the 64 signatures used most recently are kept (least
         recently used dropped; ``stats()``'s ``cached_plans`` and ``evicted_plans`` count
@@ -417,6 +430,10 @@ class BufferPool:
             name: the block's name ("train", "eval").
             inputs: the block's inputs, for its signature (any nesting of tensors and values).
             arena: the arena's buffer name.
+            params: the parameters whose gradients the block makes (a module, or tensors):
+                which of them have a gradient is part of the signature, so that a loop whose
+                gradient state changes (accumulation: none, then present) keeps one plan per
+                state instead of recording the block anew at each change.
 
         Example::
 
@@ -427,7 +444,7 @@ class BufferPool:
             ...     with pool.step("train", x):
             ...         model(x).square().sum().backward()
         """
-        return self._blocks.block(name, inputs, arena)
+        return self._blocks.block(name, inputs, arena, params)
 
     def clear_plans(self) -> int:
         """Drop the plans and recordings ``step()`` keeps (each signature is recorded anew on

@@ -111,9 +111,10 @@ std::unique_ptr<Scope> close_scope(StreamKey key, bool recording) {
   return owned;
 }
 
-void begin_record(int device, uintptr_t stream) {
+void begin_record(uintptr_t base, size_t size, int device, uintptr_t stream) {
   TORCH_CHECK(g_alloc.load() != nullptr, "sharedmem: the CUDA routing allocator is not installed");
-  open_scope({device, stream}, g_state.recording_scope());
+  TORCH_CHECK(base % 64 == 0, "sharedmem: the arena's address is not 64-byte aligned");
+  open_scope({device, stream}, g_state.recording_scope(base, size));
 }
 
 std::vector<std::vector<int64_t>> end_record(int device, uintptr_t stream) {
@@ -137,6 +138,10 @@ bool active(int device, uintptr_t stream) {
 }
 
 int64_t live_bytes(uintptr_t base) { return g_state.live_bytes(base); }
+
+std::vector<std::pair<int64_t, int64_t>> live_ranges(uintptr_t base) {
+  return g_state.live_ranges(base);
+}
 
 }  // namespace
 
@@ -163,6 +168,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("end_replay", &end_replay);
   m.def("active", &active);
   m.def("live_bytes", &live_bytes);
+  m.def("live_ranges", &live_ranges);
   // The allocator's two calls as PyTorch makes them, for the tests (same code, no C ABI).
   m.def("alloc", [](size_t size, int device, uintptr_t stream) {
     return reinterpret_cast<uintptr_t>(route_alloc(size, device, stream));

@@ -167,7 +167,7 @@ def _measure(
     # backward only with grad enabled); zeros need no grad, so nothing is recorded.
     with _disable_current_modes():
         call_args, call_kwargs = pytree.tree_map(real, (list(args), kwargs))
-        router.begin_record()
+        router.begin_record(0, 0)  # no arena: all of it PyTorch's
         try:
             out = func(*call_args, **call_kwargs)
         except Exception:  # a configuration zeros cannot run: not measured, modelled

@@ -13,7 +13,14 @@ steps: the busiest tick's allocations stack up without gaps); TFLite's greedy by
 (largest first); and longest-lived first. Its arena is reported
 against the lower bound no packing can beat, the most bytes live at one tick (max-live).
 
-The arena is reserved for the whole step, while what outlives the step (gradients, mostly)
+The arena is shared: ``fences`` are byte ranges of it that other allocations hold for the
+whole step (a gradient the user still holds, a tensor an earlier step kept), packed around.
+What outlives the step may be placed too (``outliving``: the indices the route learned are
+freed before its next call, as gradients set to ``None`` by ``zero_grad()`` and the loss are):
+such an allocation is live from its tick to the step's end, and a later step finds it as a
+fence while the user holds it.
+
+The arena is reserved for the whole step, while what outlives the step and is left out
 is PyTorch's and grows during backward, often while the arena is full of activations: the
 step's peak is the arena plus the most bytes live beside it, where the allocator alone
 (eager) holds the most bytes live at once. ``choose_plan`` therefore compares the full
@@ -24,29 +31,46 @@ byte, unless that would leave most of the step to PyTorch for the arena's roundi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Recording", "RoutePlan", "choose_plan", "plan_offsets"]
+__all__ = ["Fences", "Recording", "RoutePlan", "choose_plan", "placeable", "plan_offsets"]
 
 ALIGN = 64  # every planned address is a multiple of this: any dtype and vector load fits
+_ALWAYS = 1 << 62  # a fence's end tick: after every tick of any step
 
 
 class Recording(NamedTuple):
     """A step's allocation sequence, in order: the size of each allocation, the tick of its
-    allocation and the tick of its free (``-1``: alive when the step ended, it outlives it)."""
+    allocation and the tick of its free (``-1``: alive when the step ended, it outlives it),
+    and where the recorded call served it (``served_at``: an arena offset, ``-1`` PyTorch's
+    allocator; empty where not known)."""
 
     sizes: Sequence[int]
     alloc_at: Sequence[int]
     free_at: Sequence[int]
+    served_at: Sequence[int] = ()
 
     def live_peak(self) -> int:
         """The most bytes of the step's own allocations live at one tick: what the
         allocator alone (eager) holds at the step's peak, relative to its start."""
         return _max_live(self.sizes, self.alloc_at, self.free_at)
+
+    def beside_arena(self) -> Recording:
+        """The allocations the recorded call got from PyTorch's allocator, not the arena
+        (every one where ``served_at`` is not known)."""
+        if not self.served_at:
+            return self
+        keep = [i for i, at in enumerate(self.served_at) if at < 0]
+        return Recording(
+            [self.sizes[i] for i in keep],
+            [self.alloc_at[i] for i in keep],
+            [self.free_at[i] for i in keep],
+            [-1] * len(keep),
+        )
 
     def floor(self) -> int:
         """A peak no placement of this sequence goes below: when an allocation is made, every
@@ -97,13 +121,32 @@ class RoutePlan:
     beside_peak: int
 
 
-def plan_offsets(recording: Recording, *, ceiling: int | None = None) -> RoutePlan:
+Fences = Sequence[tuple[int, int]]  # byte ranges [low, high) of the arena held all step long
+
+
+def placeable(recording: Recording, outliving: Collection[int] = ()) -> Recording:
+    """``recording`` as the packers see it: the allocations of ``outliving`` (indices of
+    allocations that outlive the step) live from their tick to one past the step's last."""
+    if not outliving:
+        return recording
+    end = max([*recording.alloc_at, *recording.free_at], default=0) + 1
+    free_at = list(recording.free_at)
+    for i in outliving:
+        if free_at[i] < 0:
+            free_at[i] = end
+    return Recording(recording.sizes, recording.alloc_at, free_at)
+
+
+def plan_offsets(
+    recording: Recording, *, ceiling: int | None = None, fences: Fences = ()
+) -> RoutePlan:
     """Place every allocation that dies inside the step at an arena offset.
 
     Args:
-        recording: the step's sequence.
+        recording: the step's sequence (``placeable`` for one with outliving allocations).
         ceiling: the most arena bytes allowed (a pool limit): allocations that would reach
             past it are served by PyTorch's allocator instead.
+        fences: byte ranges of the arena held for the whole step: packed around.
 
     Returns:
         The plan.
@@ -134,20 +177,26 @@ def plan_offsets(recording: Recording, *, ceiling: int | None = None) -> RoutePl
     best: list[int] | None = None
     best_need = 0
     for key in orders:
-        offsets, need = _pack(recording, sorted(candidates, key=key), ceiling)
+        offsets, need = _pack(recording, sorted(candidates, key=key), ceiling, fences)
         if best is None or need < best_need:
             best, best_need = offsets, need
     assert best is not None
     return _described(recording, best)
 
 
-def _pack(recording: Recording, order: Sequence[int], ceiling: int | None) -> tuple[list[int], int]:
+def _pack(
+    recording: Recording, order: Sequence[int], ceiling: int | None, fences: Fences
+) -> tuple[list[int], int]:
     # Each allocation of ``order`` at its best gap among those placed that share a tick.
     sizes, starts, ends = recording.sizes, recording.alloc_at, recording.free_at
     offsets = [-1] * len(sizes)
-    # The placed allocations, as arrays grown in place: start tick, end tick, offset, top.
-    placed = np.zeros((4, max(1, len(order))), dtype=np.int64)
-    count = need = 0
+    # The placed allocations, as arrays grown in place: start tick, end tick, offset, top;
+    # the fences first, live at every tick.
+    placed = np.zeros((4, len(fences) + max(1, len(order))), dtype=np.int64)
+    for k, (low, high) in enumerate(_aligned(fences)):
+        placed[:, k] = (-1, _ALWAYS, low, high)
+    count = len(fences)
+    need = 0
     for i in order:
         size = -(-sizes[i] // ALIGN) * ALIGN
         start, end = starts[i], ends[i]
@@ -170,6 +219,7 @@ def choose_plan(
     granularity: int = 16,
     ceiling: int | None = None,
     tolerance: int | None = None,
+    fences: Fences = (),
 ) -> RoutePlan:
     """The plan with the lowest step peak that serves the most bytes from the arena at it.
 
@@ -195,14 +245,19 @@ def choose_plan(
         ceiling: the most arena bytes allowed (a pool limit).
         tolerance: the bytes above the allocator alone that buy serving the whole step
             (default: one granule and 0.1% of the step's peak; 0: never above it).
+        fences: byte ranges of the arena held for the whole step (within ``capacity``).
 
     Returns:
         The plan chosen; ``max(capacity, arena) + beside_peak`` is its step peak.
     """
     alone = capacity + recording.live_peak()
     # Grown once, judged in whole granules and in bytes; each limit below trims its own copy.
-    grown = {unit: _grow_greedily(recording, capacity, ceiling, unit) for unit in (granularity, 1)}
-    candidates = (recording, capacity, granularity, plan_offsets(recording, ceiling=ceiling), grown)
+    grown = {
+        unit: _grow_greedily(recording, capacity, ceiling, unit, fences)
+        for unit in (granularity, 1)
+    }
+    full = plan_offsets(recording, ceiling=ceiling, fences=fences)
+    candidates = (recording, capacity, granularity, full, grown, fences)
     strict = _best(*candidates, alone, 0)
     if tolerance is None:
         tolerance = granularity + alone // 1000
@@ -218,6 +273,7 @@ def _best(
     granularity: int,
     full: RoutePlan,
     grown: dict[int, RoutePlan],
+    fences: Fences,
     allowed: int,
     tolerance: int,
 ) -> RoutePlan:
@@ -228,7 +284,7 @@ def _best(
     for unit, plan in grown.items():
         while _peak(plan, capacity, granularity) > allowed and plan.need > 0:
             lower = (plan.need - 1) // granularity * granularity
-            plan = _grow_greedily(recording, capacity, lower, unit)
+            plan = _grow_greedily(recording, capacity, lower, unit, fences)
         plans.append(plan)
     # The greedy plans always fit: each growth keeps the peak in bytes, and at an empty
     # arena the plan is the allocator alone.
@@ -243,7 +299,7 @@ def _peak(plan: RoutePlan, capacity: int, granularity: int) -> int:
 
 
 def _grow_greedily(
-    recording: Recording, capacity: int, ceiling: int | None, unit: int
+    recording: Recording, capacity: int, ceiling: int | None, unit: int, fences: Fences
 ) -> RoutePlan:
     # ``unit``: the arena's growth is judged rounded up to whole multiples of it.
     sizes, starts, ends = recording.sizes, recording.alloc_at, recording.free_at
@@ -259,7 +315,7 @@ def _grow_greedily(
     )
     arena = capacity
     offsets = [-1] * n
-    placed: list[tuple[int, int, int, int]] = []  # start, end, offset, top
+    placed = [(-1, _ALWAYS, low, high) for low, high in _aligned(fences)]  # start, end, at, top
     while pending:
         refused: list[int] = []
         for i in pending:
@@ -289,6 +345,14 @@ def _grow_greedily(
             break
         pending = refused
     return _described(recording, offsets)
+
+
+def _aligned(fences: Fences) -> Fences:
+    # A fence is a tensor's exact bytes (a 4-byte loss ends off the grid): widened to whole
+    # ``ALIGN`` units, so that what is packed after it starts on the grid too. An allocation
+    # at an unaligned address computes otherwise (a matrix product's kernel takes another
+    # path, its sums another order): the step would not equal eager's to the bit.
+    return tuple((low // ALIGN * ALIGN, -(-high // ALIGN) * ALIGN) for low, high in fences)
 
 
 def _top(values: np.ndarray) -> int:

@@ -1,23 +1,41 @@
 """Record, plan, replay: one signature's allocations served from one arena of a pool.
 
-The first call of a signature runs with the router recording (every allocation is
-PyTorch's, as without a pool); its sequence is planned (``plan_offsets``) and the arena, a
-named buffer of the pool, grown once to hold it. Later calls replay: the n-th allocation
-gets its planned address. A call that leaves its plan (another size, another count, or an
-allocation whose bytes are still held) is served by PyTorch from there on, counted, and the
-signature is recorded anew on its next call; no byte of a live tensor is ever handed out
-twice, since the router checks every planned address against the arena's live allocations.
+The first call of a signature runs inside the arena as it is: the router serves each
+allocation at the smallest free range of the arena's bytes that holds it (best fit), and
+PyTorch only what does not fit (on an empty arena, all of it, as without a pool), so the
+first call of a new state costs no more than the arena's free room lacks. Its sequence is
+then planned offline (``choose_plan``) into the arena as it is: its bytes are reserved
+already, the ranges other tensors hold in it at the call's start are fences packed around,
+and it grows only where the plan lowers the step's peak by growing. Later calls replay: the
+n-th allocation gets its planned address. A call that leaves its plan (another size, another
+count, or an allocation whose bytes are still held) is served by PyTorch from there on,
+counted, and the signature is recorded anew on its next call (inside the arena again); no
+byte of a live tensor is ever handed out twice, since the router checks every planned
+address against the arena's live allocations.
 
-An arena allocation still alive when the call ends has escaped (a hook or a list kept it):
-it is neither moved nor an error. Its bytes stay fenced off, exactly as long as the tensor
-lives (the router refuses any later allocation that would overlap them), the pool keeps the
-arena while any such tensor lives (``trim`` and ``release`` leave it alone), and the
-signature is recorded anew so that its next plan knows the value outlives the call.
+What outlives a call (new gradients when ``p.grad`` is ``None``, the loss) is planned into
+the arena too, in the room activations leave during backward. Such a tensor stays fenced
+while the user holds it (the router's live map; a plan made while it is held packs around
+it) and is free again when its storage is freed (``zero_grad()``): the route learns which
+outliving allocations the user frees before its next call. One still held when the next
+call of the same signature begins (a gradient kept by ``zero_grad(set_to_none=False)``, a
+loss appended to a list) is left to PyTorch in the plans after that.
+
+Plans are kept per set of fences (a few): a loop whose evaluation runs while the gradients
+of its training step are held plans the evaluation once around them, and one that evaluates
+after ``zero_grad()`` plans it once over the whole arena. When another route grows the arena
+a plan is made again for the arena as it is, without growing it; the recording is never
+redone for that.
+
+An arena allocation the plan said dies inside the call but still alive when the call ends
+has escaped (a hook or a list kept it): it is neither moved nor an error. Its bytes stay
+fenced off, exactly as long as the tensor lives, the pool keeps the arena while any such
+tensor lives (``trim`` and ``release`` leave it alone), and the signature is recorded anew.
 
 Threads: a route may be entered by several threads at once. Each call holds the arena buffer
 it serves from for as long as it runs; a call that finds it held serves from a lane of its
 own (``Arenas.lease``: another buffer of the host, grown to the plan's need), so no two calls
-ever hand out the same bytes, and none waits for another. The route's plan changes under a
+ever hand out the same bytes, and none waits for another. The route's plans change under a
 lock; each call serves and accounts by the plan it began with.
 """
 
@@ -25,6 +43,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -36,7 +55,7 @@ from .._errors import OutOfMemoryError
 from .cuda_native import cuda_router
 from .host import ArenaHost
 from .native import loaded, native, would_load
-from .plan import Recording, RoutePlan, choose_plan, plan_offsets
+from .plan import Fences, Recording, RoutePlan, choose_plan, placeable, plan_offsets
 
 __all__ = ["COUNTERS", "CallPeak", "Route", "arena_live_bytes", "routes_on"]
 
@@ -44,11 +63,21 @@ __all__ = ["COUNTERS", "CallPeak", "Route", "arena_live_bytes", "routes_on"]
 COUNTERS = (
     "arena_served_bytes",  # allocations served from the arena
     "arena_fallback_bytes",  # allocations dying inside a step that PyTorch served
-    "arena_escaped_bytes",  # arena allocations still alive when their step ended
-    "recorded_calls",  # calls that recorded their sequence (served by PyTorch)
+    "arena_kept_bytes",  # arena allocations planned to outlive their step (gradients, loss)
+    "arena_escaped_bytes",  # arena allocations still alive when their step ended, unplanned
+    "recorded_calls",  # calls that recorded their sequence (inside the arena, best fit)
     "replayed_calls",  # calls served by a plan
+    "replanned_calls",  # calls that planned a recording again (fences or capacity changed)
     "diverged_calls",  # replays that left their plan part way
 )
+
+PLANS_PER_ROUTE = 4  # plans kept per signature, one per set of fences (least recent dropped)
+
+
+class _Planned(NamedTuple):
+    plan: RoutePlan
+    native: Any
+    capacity: int  # the arena's capacity it was made for
 
 
 class CallPeak(NamedTuple):
@@ -78,29 +107,31 @@ class Route:
             serves its steps), or a CUDA pool once ``install_cuda_router`` ran (the CUDA
             router, by the step's stream).
         arena: the arena's buffer name; routes of one host that share it share its bytes
-            (train and eval, every batch size), each planned from offset 0.
+            (train and eval, every batch size), each planned into it as it is.
         training: a training step's route (its arena grows to the step's plan); an inference
             route grows the arena only while no training route has been planned on it.
     """
 
-    def __init__(self, host: ArenaHost, arena: str, *, training: bool) -> None:
+    def __init__(self, host: ArenaHost, arena: str, *, training: bool, expected: int = 0) -> None:
         self._host = host
         self._arena = arena
         self.training = training
-        self.plan: RoutePlan | None = None
+        self.plan: RoutePlan | None = None  # the plan the latest call served by
         self.recording: Recording | None = None
-        self._native_plan: Any = None
+        self._plans: OrderedDict[Fences, _Planned] = OrderedDict()
+        self._redo = False  # the next call records anew
         self.last: dict[str, int] = {}  # the counts of the latest replay
         self.added_bytes = 0  # what planning this route grew the arena by
-        self._planned_for = 0  # the arena's capacity the plan was made for
         self._rerecorded = 0  # times a stale plan (outliving allocations that died) was redone
-        self._lock = threading.Lock()  # guards the plan: threads may run one route at once
+        self._held: set[int] = set()  # outliving allocations the user still held next call
+        self._kept: dict[tuple[int, int], int] = {}  # the latest call's outliving arena ranges
+        self._lock = threading.Lock()  # guards the plans: threads may run one route at once
         self.last_peak: CallPeak | None = None  # the latest call's, as the router saw it
 
     @contextmanager
     def scope(self) -> Iterator[None]:
-        """Serve the block's allocations on this thread: recorded on the first call (and after
-        a divergence), replayed from the arena after."""
+        """Serve the block's allocations on this thread: recorded inside the arena on the
+        first call (and after a divergence), replayed from the arena after."""
         router = _scopes(self._host)
         self.last_peak = None
         if router is None or router.active():  # no router, or a step inside a step
@@ -109,55 +140,90 @@ class Route:
         arenas = self._host.arenas
         lane = arenas.lease(self._arena)
         try:
+            fences = self._fences(router, lane)
             with self._lock:
-                if (
-                    self.plan is not None
-                    and self.recording is not None
-                    and self._capacity() != self._planned_for
-                ):
-                    # Other routes grew the arena (or it was trimmed) since this plan was
-                    # made: plan the recorded sequence again for the arena as it is now,
-                    # without growing it (the arena grows only when a signature is recorded,
-                    # so steady state is steady).
-                    self._adopt(self.recording, lane, grow=False)
-                plan, native_plan = self.plan, self._native_plan
-            place = None if plan is None else self._place(lane, plan)
-            if plan is None or place is None:
+                planned = self._planned(lane, fences)
+            place = None if planned is None else self._place(lane, planned.plan)
+            if planned is None or place is None:
                 before = self._host.device_capacity(lane)
-                router.begin_record()
+                base, size = self._room(lane)
+                router.begin_record(base, size)
                 completed = False
                 try:
                     yield
                     completed = True
                 finally:
                     recording = Recording(*router.end_record())
-                if completed:  # a failed call's sequence is not the signature's
-                    self._recorded(recording, lane, beside=plan is not None)
-                # The arena held through the call, then grown (after it) beside what outlives it.
+                self._recorded(recording, lane, fences, adopt=completed and planned is None)
+                # The arena held through the call (what it served of the call inside it),
+                # then grown after it, beside what PyTorch served and still holds.
                 after = self._host.device_capacity(lane)
-                peak = max(before + recording.live_peak(), after + recording.outliving_bytes)
+                others = recording.beside_arena()
+                peak = max(before + others.live_peak(), after + others.outliving_bytes)
                 self.last_peak = CallPeak(after, peak - after, True, True)
                 return
             base, size = place
-            held = router.live_bytes(base) if base else 0
-            router.begin_replay(native_plan, base, size)
+            router.begin_replay(planned.native, base, size)
             try:
                 yield
             finally:
                 counts = router.end_replay()
                 on_plan = counts["diverged_at"] < 0
-                beside = plan.beside_peak + (0 if on_plan else counts["fell_back_bytes"])
+                beside = planned.plan.beside_peak + (0 if on_plan else counts["fell_back_bytes"])
                 self.last_peak = CallPeak(size, beside, False, on_plan)
                 with self._lock:
-                    self._account(counts, held, plan)
+                    self._account(counts, planned.plan)
         finally:
             arenas.give_back(lane)
+
+    def _fences(self, router: Any, lane: str) -> Fences:
+        """The ranges of ``lane`` that tensors hold now (sorted ``(low, high)`` offsets)."""
+        base = self._host.arenas.base(lane)
+        if base is None:
+            return ()
+        return tuple(sorted((int(low), int(high)) for low, high in router.live_ranges(base)))
+
+    def _planned(self, lane: str, fences: Fences) -> _Planned | None:
+        """The plan for a call that finds ``fences`` held in ``lane`` (made now where none
+        fits them), or ``None``: the call records (the caller holds the lock)."""
+        if self.recording is None or self._redo:
+            return None
+        held = {i for span, i in self._kept.items() if span in fences}
+        self._kept = {}
+        if not held <= self._held:  # kept by the user past this call's start: left out now
+            self._held |= held
+            self._plans.clear()
+        capacity = self._capacity()
+        planned = self._plans.get(fences)
+        if planned is None or capacity > planned.capacity:
+            # Only a plan over an arena no tensor holds may grow it (where that lowers the
+            # step's peak): bytes the user holds there (gradients during accumulation or an
+            # evaluation) are a passing state, and an arena grown for it would stay above
+            # what the other states need. Another route's growth only makes the plan again
+            # for the arena as it is, so steady state is steady.
+            planned = self._adopt(self.recording, lane, fences, grow=planned is None and not fences)
+            self._host.count("replanned_calls", 1)
+        else:
+            self._plans.move_to_end(fences)
+        self.plan = planned.plan
+        return planned
+
+    def _room(self, lane: str) -> tuple[int, int]:
+        """The address and size of ``lane`` as it is, for a recording served inside it by
+        best fit (``(0, 0)``: no arena yet, PyTorch serves the call)."""
+        host = self._host
+        capacity = host.device_capacity(lane)
+        if not capacity:
+            return 0, 0
+        view = host.tensor(lane, (capacity,), torch.uint8)  # no growth: the size it has
+        host.arenas.served_from(lane, view.data_ptr())
+        return view.data_ptr(), view.numel()
 
     def _place(self, lane: str, plan: RoutePlan) -> tuple[int, int] | None:
         """The address and size of ``lane`` for a replay of ``plan`` (grown to its need where
         it is smaller: a lane's first use, a trimmed arena), or ``None`` where it cannot be
-        (the pool's limit, or a moving buffer that holds kept tensors): the call then runs
-        beside the arena."""
+        (the pool's limit, or a moving buffer that holds kept tensors): the call then records
+        inside the lane as it is."""
         if not plan.need:
             return 0, 0
         host = self._host
@@ -174,28 +240,44 @@ class Route:
         host.arenas.served_from(lane, view.data_ptr())
         return view.data_ptr(), view.numel()
 
-    def _recorded(self, recording: Recording, lane: str, *, beside: bool) -> None:
-        """A recorded call ended: its sequence planned (unless another thread planned the
-        signature meanwhile), or where a plan existed but the call ran beside the arena
-        (``beside``), its dying bytes counted as served by PyTorch."""
+    def _recorded(self, recording: Recording, lane: str, fences: Fences, *, adopt: bool) -> None:
+        """A recording call ended: what it served inside the arena and beside it counted, and
+        where it was the signature's recording (``adopt``: it completed, and no plan served
+        it), its sequence planned (unless another thread planned it meanwhile)."""
         host = self._host
-        if beside:
-            dying = recording.total_bytes - recording.outliving_bytes
-            host.count("arena_fallback_bytes", dying)
-            host.count_unpooled(dying)
-            return
+        served = dying = 0
+        kept: dict[tuple[int, int], int] = {}
+        for i, (size, free, at) in enumerate(
+            zip(recording.sizes, recording.free_at, recording.served_at, strict=True)
+        ):
+            if at >= 0:
+                served += size
+                if free < 0:
+                    kept[(at, at + size)] = i
+            elif free >= 0:
+                dying += size
         host.count("recorded_calls", 1)
+        host.count("arena_served_bytes", served)
+        host.count("arena_fallback_bytes", dying)
+        host.count_unpooled(dying)
         with self._lock:
-            if self.plan is None:
-                self._adopt(recording, lane)
+            if adopt and (self.recording is None or self._redo):
+                self._kept = kept
+                self.recording = recording
+                self._redo = False
+                self._held = set()
+                self._plans.clear()
+                self.plan = self._adopt(recording, lane, fences, grow=not fences).plan
 
     def derive(self, recording: Recording) -> None:
         """Plan ``recording``, a sequence derived rather than recorded (another size of a
         graph traced with symbolic sizes), before this route's first call: that call then
-        replays it, and where it leaves it, it is recorded anew as any divergence is."""
+        replays it, and where it leaves it, it is recorded anew as any divergence is. It is
+        planned, as a recording is, when that call finds which bytes of the arena are held."""
         with self._lock:
-            if self.plan is None:
-                self._adopt(recording, self._arena)
+            if self.recording is None:
+                self.recording = recording
+                self._plans.clear()
 
     def unalias(self, tensors: list[torch.Tensor], first: int) -> list[torch.Tensor]:
         """``tensors`` with those from ``first`` on that view the arena's bytes (a pool view an
@@ -219,33 +301,49 @@ class Route:
                 out[i] = t.clone()
         return out
 
-    def _adopt(self, recording: Recording, lane: str, *, grow: bool = True) -> None:
+    def _adopt(self, recording: Recording, lane: str, fences: Fences, *, grow: bool) -> _Planned:
         # Outside any scope: growing the arena is the pool's own allocation. Only the call
         # that holds the arena grows it; one on another lane grows that lane as it replays.
+        # The caller holds the lock.
         host = self._host
         before = self._capacity()
         ceiling = self._ceiling() if grow else before
+        outliving = [
+            i
+            for i, free in enumerate(recording.free_at)
+            if free < 0 and recording.sizes[i] > 0 and i not in self._held
+        ]
+        spread = placeable(recording, outliving)
         plan = choose_plan(
-            recording, capacity=before, granularity=host.granularity, ceiling=ceiling
+            spread,
+            capacity=before,
+            granularity=host.granularity,
+            ceiling=ceiling,
+            fences=fences,
         )
         if plan.need and lane == self._arena:  # its base too: inputs are unaliased against it
             try:
                 view = host.tensor(self._arena, (plan.need,), torch.uint8)
                 host.arenas.served_from(self._arena, view.data_ptr())
             except OutOfMemoryError:  # the limit's arithmetic was off: keep to what is there
-                plan = plan_offsets(recording, ceiling=self._capacity())
-        self.recording = recording
-        self.plan = plan
-        self._planned_for = self._capacity()
-        self.added_bytes = max(self.added_bytes, self._planned_for - before)
-        # To the router: -1 for what outlived the recorded call, -2 for what the plan left out.
+                plan = plan_offsets(spread, ceiling=self._capacity(), fences=fences)
+        covers = self._capacity()
+        self.added_bytes = max(self.added_bytes, covers - before)
+        # To the router: -1 for what outlived the recorded call and stays PyTorch's (watched:
+        # dying inside a later call, it says the recording is stale), -2 for what the plan
+        # left out; and which placed allocations are meant to outlive the call.
         offsets = [
             o if o >= 0 else (-1 if f < 0 else -2)
             for o, f in zip(plan.offsets, recording.free_at, strict=True)
         ]
+        outlives = [1 if f < 0 else 0 for f in recording.free_at]
         module = _module(host)
         assert module is not None, "a route is planned only where a router runs"
-        self._native_plan = module.Plan(list(recording.sizes), offsets)
+        planned = _Planned(plan, module.Plan(list(recording.sizes), offsets, outlives), covers)
+        self._plans[fences] = planned
+        while len(self._plans) > PLANS_PER_ROUTE:
+            self._plans.popitem(last=False)
+        return planned
 
     def _capacity(self) -> int:
         return self._host.device_capacity(self._arena)
@@ -263,17 +361,25 @@ class Route:
             return capacity  # escaped tensors live in it: a moving growth would strand them
         return room
 
-    def _account(self, counts: dict[str, int], held: int, plan: RoutePlan) -> None:
+    def _account(self, counts: dict[str, int], plan: RoutePlan) -> None:
         """A replay of ``plan`` ended with the router's ``counts`` (the caller holds the
-        lock); ``held``: the arena's live bytes when it began."""
+        lock)."""
         self.last = counts
         host = self._host
         host.count("replayed_calls", 1)
         host.count("arena_served_bytes", counts["served_bytes"])
+        host.count("arena_kept_bytes", counts["kept_bytes"])
         beside = counts["fell_back_bytes"] + plan.beside_bytes
         host.count("arena_fallback_bytes", beside)
         host.count_unpooled(beside)
-        escaped = counts["live_bytes"] - held
+        escaped = counts["escaped_bytes"]
+        recording = self.recording
+        if recording is not None:
+            self._kept = {
+                (o, o + recording.sizes[i]): i
+                for i, (o, f) in enumerate(zip(plan.offsets, recording.free_at, strict=True))
+                if o >= 0 and f < 0
+            }
         if counts["diverged_at"] >= 0:
             host.count("diverged_calls", 1)
         if escaped > 0:
@@ -282,7 +388,7 @@ class Route:
                 f"sharedmem: {escaped:,} bytes of a step's arena were still referenced when the "
                 "step ended (a hook or a list kept a tensor of the step): they stay fenced off "
                 "until that tensor is freed, and the step is recorded anew so that its next "
-                "plan leaves them to PyTorch's allocator",
+                "plan knows the value outlives the step",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -293,8 +399,8 @@ class Route:
         stale = counts["planned_out_freed_bytes"] > 0 and self._rerecorded < 3
         if stale:
             self._rerecorded += 1
-        if (counts["diverged_at"] >= 0 or escaped > 0 or stale) and self.plan is plan:
-            self.plan = None  # recorded anew on the next call (unless another call replanned)
+        if counts["diverged_at"] >= 0 or escaped > 0 or stale:
+            self._redo = True  # recorded anew on the next call
 
     def describe(self) -> str:
         """One line on the plan: what is served from the arena, against max-live."""
@@ -373,8 +479,8 @@ class _StreamScopes:
     def active(self) -> bool:
         return bool(self._module.active(*self._key))
 
-    def begin_record(self) -> None:
-        self._module.begin_record(*self._key)
+    def begin_record(self, base: int, size: int) -> None:
+        self._module.begin_record(base, size, *self._key)
 
     def end_record(self) -> list[list[int]]:
         return list(self._module.end_record(*self._key))
@@ -387,3 +493,6 @@ class _StreamScopes:
 
     def live_bytes(self, base: int) -> int:
         return int(self._module.live_bytes(base))
+
+    def live_ranges(self, base: int) -> list[tuple[int, int]]:
+        return list(self._module.live_ranges(base))

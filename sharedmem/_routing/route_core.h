@@ -9,15 +9,23 @@
 //   did (a hook that keeps an activation) can never have its bytes overwritten.
 // - Once a call has left its plan (another size, another count, an overlap), everything after
 //   is served upstream and counted.
+// - A recording scope with an arena serves each allocation at the smallest free range of the
+//   arena that holds it (best fit, 64-byte aligned), upstream where none does: a signature's
+//   first call runs inside the pool's bytes as they are, and what it spends upstream is what
+//   the arena lacked.
+// - A plan may place allocations that outlive the call (gradients, the loss): they stay in the
+//   arena's live map, fenced, until freed wherever that happens.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -34,6 +42,7 @@ struct Arena {
 
 struct Recording {
   std::vector<int64_t> sizes, alloc_at, free_at;  // per allocation; free_at -1: still alive
+  std::vector<int64_t> offsets;  // where a recording call served each: arena offset, or -1
   int64_t clock = 0;  // one tick per allocation and per free, in order
 };
 
@@ -41,6 +50,7 @@ struct Plan {
   // offset -1: served upstream, it outlived the recorded call (watched: if it dies inside a
   // call, the recording is stale); -2: served upstream, the plan left it out.
   std::vector<int64_t> sizes, offsets;
+  std::vector<uint8_t> outlives;  // per allocation: planned to outlive the call (kept, not escaped)
 };
 
 struct Counts {
@@ -51,12 +61,18 @@ struct Counts {
   int64_t allocations = 0;
 };
 
+struct Served {
+  uintptr_t start, end;
+  int64_t index;
+};
+
 struct Scope {
   bool recording = false;
   std::shared_ptr<Recording> rec;  // replaying: the planned-out allocations, watched
   std::shared_ptr<Plan> plan;
   std::shared_ptr<Arena> arena;
   Counts counts;
+  std::vector<Served> served;  // the arena allocations this scope handed out
 };
 
 // What the n-th allocation of a scope gets.
@@ -85,7 +101,19 @@ class State {
   Decision decide(Scope& scope, size_t n) {
     Counts& c = scope.counts;
     int64_t index = c.allocations++;
-    if (scope.recording) return {Serve::kWatched, nullptr};
+    if (scope.recording) {
+      if (scope.arena && n > 0) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        Arena& arena = *scope.arena;
+        uintptr_t start = best_fit(arena, n);
+        if (start != 0) {
+          take(arena, scope, start, n, index);
+          append(scope, reinterpret_cast<void*>(start), n, static_cast<int64_t>(start - arena.base));
+          return {Serve::kArena, reinterpret_cast<void*>(start)};
+        }
+      }
+      return {Serve::kWatched, nullptr};
+    }
     const Plan& plan = *scope.plan;
     if (c.diverged_at < 0 &&
         (index >= static_cast<int64_t>(plan.sizes.size()) ||
@@ -99,11 +127,7 @@ class State {
       if (end <= arena.base + arena.size) {
         std::lock_guard<std::mutex> lock(mutex_);
         if (free_range(arena, start, end)) {
-          if (arena.live.empty()) watched_.fetch_add(1);
-          arena.live.emplace(start, end);
-          arena.live_bytes += n;
-          c.served++;
-          c.served_bytes += static_cast<int64_t>(n);
+          take(arena, scope, start, n, index);
           return {Serve::kArena, reinterpret_cast<void*>(start)};
         }
       }
@@ -126,15 +150,7 @@ class State {
   // ``release``; a zero-byte allocation has no pointer, is never freed and stays "alive").
   void record(const Scope& scope, void* ptr, size_t n, bool watch) {
     std::lock_guard<std::mutex> lock(mutex_);
-    Recording& rec = *scope.rec;
-    size_t index = rec.sizes.size();
-    rec.sizes.push_back(static_cast<int64_t>(n));
-    rec.alloc_at.push_back(rec.clock++);
-    rec.free_at.push_back(-1);
-    if (ptr != nullptr && watch) {
-      pending_[ptr] = Pending{scope.rec, index};
-      watched_.fetch_add(1);
-    }
+    append(scope, watch ? ptr : nullptr, n, -1);
   }
 
   // ``ptr`` is being freed: true where it was an arena allocation (its bytes belong to the
@@ -143,12 +159,11 @@ class State {
     if (watched_.load(std::memory_order_acquire) == 0) return false;
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = pending_.find(ptr);
-    if (it != pending_.end()) {
+    if (it != pending_.end()) {  // a recording's allocation (in the arena or upstream)
       Recording& rec = *it->second.recording;
       rec.free_at[it->second.index] = rec.clock++;
       pending_.erase(it);
       watched_.fetch_sub(1);
-      return false;
     }
     auto at = reinterpret_cast<uintptr_t>(ptr);
     for (auto& arena : arenas_) {
@@ -164,10 +179,12 @@ class State {
     return false;
   }
 
-  std::unique_ptr<Scope> recording_scope() {
+  // ``size`` 0: no arena, every allocation upstream.
+  std::unique_ptr<Scope> recording_scope(uintptr_t base, size_t size) {
     auto scope = std::make_unique<Scope>();
     scope->recording = true;
     scope->rec = std::make_shared<Recording>();
+    if (size > 0) scope->arena = arena_at(base, size);
     return scope;
   }
 
@@ -180,11 +197,11 @@ class State {
     return scope;
   }
 
-  // A closed recording as three lists (size, allocated at, freed at or -1).
+  // A closed recording as four lists (size, allocated at, freed at or -1, arena offset or -1).
   std::vector<std::vector<int64_t>> recorded(const Scope& scope) {
     std::lock_guard<std::mutex> lock(mutex_);
     const Recording& rec = *scope.rec;
-    std::vector<std::vector<int64_t>> out{rec.sizes, rec.alloc_at, rec.free_at};
+    std::vector<std::vector<int64_t>> out{rec.sizes, rec.alloc_at, rec.free_at, rec.offsets};
     forget_pending(rec);  // what is still alive outlives the call: its free_at stays -1
     return out;
   }
@@ -202,7 +219,23 @@ class State {
       if (rec.free_at[i] >= 0) out_freed += rec.sizes[i];
     }
     forget_pending(rec);
+    // Arena allocations of this call alive now: kept where the plan said they outlive it,
+    // escaped where it said they die inside it.
+    // From the last served back: bytes handed out again after a free belong to the latest.
+    int64_t kept = 0, escaped = 0;
+    std::set<uintptr_t> seen;
+    for (auto it = scope.served.rbegin(); it != scope.served.rend(); ++it) {
+      const Served& s = *it;
+      if (!seen.insert(s.start).second) continue;
+      auto live = scope.arena->live.find(s.start);
+      if (live == scope.arena->live.end() || live->second != s.end) continue;
+      size_t i = static_cast<size_t>(s.index);
+      bool outlives = i < scope.plan->outlives.size() && scope.plan->outlives[i];
+      (outlives ? kept : escaped) += static_cast<int64_t>(s.end - s.start);
+    }
     return {
+        {"kept_bytes", kept},
+        {"escaped_bytes", escaped},
         {"planned_out_freed_bytes", out_freed},
         {"allocations", c.allocations},
         {"served", c.served},
@@ -215,6 +248,19 @@ class State {
         {"live", static_cast<int64_t>(scope.arena->live.size())},
         {"live_bytes", static_cast<int64_t>(scope.arena->live_bytes)},
     };
+  }
+
+  // The arena allocations alive now in the arena at ``base``, as ``(offset, end)`` pairs.
+  std::vector<std::pair<int64_t, int64_t>> live_ranges(uintptr_t base) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (auto& arena : arenas_) {
+      if (arena->base != base) continue;
+      for (const auto& [start, end] : arena->live) {
+        out.emplace_back(static_cast<int64_t>(start - base), static_cast<int64_t>(end - base));
+      }
+    }
+    return out;
   }
 
   // Bytes of arena allocations alive now in the arena at ``base`` (0 for an unknown arena).
@@ -232,6 +278,51 @@ class State {
     if (next != arena.live.end() && next->first < end) return false;
     if (next != arena.live.begin() && std::prev(next)->second > start) return false;
     return true;
+  }
+
+  // The 64-byte aligned start of the smallest free range of ``arena`` that holds ``n`` bytes
+  // (best fit: the large ranges stay whole for the large allocations to come), or 0.
+  static uintptr_t best_fit(const Arena& arena, size_t n) {
+    uintptr_t cursor = arena.base, best = 0, top = arena.base + arena.size;
+    size_t best_gap = SIZE_MAX;
+    auto consider = [&](uintptr_t end) {
+      if (end > cursor && end - cursor >= n && end - cursor < best_gap) {
+        best = cursor;
+        best_gap = end - cursor;
+      }
+    };
+    for (const auto& [start, end] : arena.live) {
+      if (start >= top) break;
+      consider(start);
+      cursor = std::max(cursor, (end + 63) / 64 * 64);
+    }
+    consider(top);
+    return best;
+  }
+
+  // Hand out [start, start + n) of ``arena`` to ``scope`` (the caller holds the lock).
+  void take(Arena& arena, Scope& scope, uintptr_t start, size_t n, int64_t index) {
+    if (arena.live.empty()) watched_.fetch_add(1);
+    arena.live.emplace(start, start + n);
+    arena.live_bytes += n;
+    scope.counts.served++;
+    scope.counts.served_bytes += static_cast<int64_t>(n);
+    scope.served.push_back(Served{start, start + n, index});
+  }
+
+  // Append an allocation to the scope's recording, its free watched where ``ptr`` is given
+  // (the caller holds the lock).
+  void append(const Scope& scope, void* ptr, size_t n, int64_t offset) {
+    Recording& rec = *scope.rec;
+    size_t index = rec.sizes.size();
+    rec.sizes.push_back(static_cast<int64_t>(n));
+    rec.alloc_at.push_back(rec.clock++);
+    rec.free_at.push_back(-1);
+    rec.offsets.push_back(offset);
+    if (ptr != nullptr) {
+      pending_[ptr] = Pending{scope.rec, index};
+      watched_.fetch_add(1);
+    }
   }
 
   // Stop watching the allocations of ``rec`` still alive (the caller holds the lock).
@@ -282,11 +373,14 @@ class State {
 // the second module's registration of the same C++ type).
 inline void bind_plan(pybind11::module_& m) {
   pybind11::class_<Plan, std::shared_ptr<Plan>>(m, "Plan", pybind11::module_local())
-      .def(pybind11::init([](std::vector<int64_t> sizes, std::vector<int64_t> offsets) {
-        TORCH_CHECK(sizes.size() == offsets.size(), "sharedmem: a plan needs an offset per size");
+      .def(pybind11::init([](std::vector<int64_t> sizes, std::vector<int64_t> offsets,
+                             std::vector<uint8_t> outlives) {
+        TORCH_CHECK(sizes.size() == offsets.size() && outlives.size() == sizes.size(),
+                    "sharedmem: a plan needs an offset and an outlives flag per size");
         auto plan = std::make_shared<Plan>();
         plan->sizes = std::move(sizes);
         plan->offsets = std::move(offsets);
+        plan->outlives = std::move(outlives);
         return plan;
       }));
 }

@@ -87,12 +87,15 @@ void check_idle() {
   TORCH_CHECK(t_scope == nullptr, "sharedmem: a step's scope is already open on this thread");
 }
 
-void begin_record() {
+// ``size`` 0: no arena (every allocation upstream); else best fit in [base, base + size).
+void begin_record(uintptr_t base, size_t size) {
   check_idle();
-  t_scope = g_state.recording_scope().release();
+  TORCH_CHECK(base % 64 == 0, "sharedmem: the arena's address is not 64-byte aligned");
+  t_scope = g_state.recording_scope(base, size).release();
 }
 
-// The recording as three lists (size, allocated at, freed at or -1), and the scope closed.
+// The recording as four lists (size, allocated at, freed at or -1, arena offset or -1), and
+// the scope closed.
 std::vector<std::vector<int64_t>> end_record() {
   TORCH_CHECK(t_scope != nullptr && t_scope->recording, "sharedmem: no recording is open");
   std::unique_ptr<Scope> owned(t_scope);
@@ -129,6 +132,10 @@ void resume(uintptr_t scope) {
   t_scope = reinterpret_cast<Scope*>(scope);
 }
 
+std::vector<std::pair<int64_t, int64_t>> live_ranges(uintptr_t base) {
+  return g_state.live_ranges(base);
+}
+
 bool active() { return t_scope != nullptr; }
 
 }  // namespace
@@ -141,6 +148,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("begin_replay", &begin_replay);
   m.def("end_replay", &end_replay);
   m.def("live_bytes", &live_bytes);
+  m.def("live_ranges", &live_ranges);
   m.def("active", &active);
   m.def("suspend", &suspend);
   m.def("resume", &resume);

@@ -1,0 +1,219 @@
+"""PyTorch's default training loop served from the pool, call by call, against eager.
+
+A user's loop, as written: ``optimizer.zero_grad()`` (gradients set to ``None``), the forward
+and backward, ``optimizer.step()``; then gradient accumulation (micro-steps that add into the
+gradients) and an evaluation at twice the batch between steps. Two entry points: ``with
+pool.step("train", ...)`` around the forward and backward, and ``pooled_train_step``. An
+eager copy of the model runs the same calls in the same process and state.
+
+Per call:
+- ``peak``: the call's peak, pooled / eager, by DESIGN §8: the running sum of the allocator's
+  events relative to the call's start, plus for the pooled call the pool's reserved bytes
+  after it, less the arena bytes tensors of earlier calls held at its start (gradients the
+  user keeps: eager holds the same bytes outside its measure, as live at the start);
+- ``served``: the share of the call's allocation bytes served from the arena (what PyTorch's
+  allocator served is the sum of its allocation events).
+
+The sequence (``state`` column): ``none`` x4, ``present`` x2 (accumulation), ``none`` x2,
+then ``none``/``present`` alternating, then ``eval`` (batch 2B, no grad) between steps.
+
+    python benchmarks/bench_default_loop.py               # ResNet-18 (b8, 64px), hf_gpt2
+    python benchmarks/bench_default_loop.py tv_resnet18   # only these
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import zoo as zoo_module
+
+import sharedmem as sm
+
+SEQUENCE = ["none"] * 4 + ["present"] * 2 + ["none"] * 2 + ["none", "present"] * 3 + ["eval"] * 2
+
+
+def allocator_events(step: Callable[[], object]) -> tuple[int, int]:
+    """The peak of the running sum of the allocator's events while ``step()`` runs (relative
+    to its start), and the bytes it allocated."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        step()
+    live = peak = made = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action == Action.CREATE:
+            live += size
+            made += size
+        elif action == Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    return peak, made
+
+
+def _call(model: torch.nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+def _loss(out: Any, targets: Any, loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(out, targets)
+    loss = out.loss if hasattr(out, "loss") else out["loss"]
+    assert isinstance(loss, torch.Tensor)
+    return loss
+
+
+def _doubled(inputs: Any) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return torch.cat([inputs, inputs])
+    if isinstance(inputs, dict):
+        return {k: _doubled(v) for k, v in inputs.items()}
+    return inputs
+
+
+def grads_of(model: torch.nn.Module) -> dict[str, Any]:
+    """``params=model`` where ``pool.step`` takes it (an older version runs without it)."""
+    return {"params": model} if "params" in inspect.signature(sm.BufferPool.step).parameters else {}
+
+
+def _held(pool: sm.BufferPool) -> int:
+    """Arena bytes tensors hold now (kept from earlier calls)."""
+    from sharedmem._routing import native
+
+    router = native()
+    base = pool.arenas.base("act.0")
+    if router is None or base is None or not hasattr(router, "live_ranges"):
+        return 0  # no router, no arena, or a router that keeps nothing past a call
+    return sum(high - low for low, high in router.live_ranges(base))
+
+
+def build(name: str) -> Any:
+    entry = next(m for m in zoo_module.zoo() if m.name == name)
+    torch.manual_seed(0)
+    model, inputs, targets, loss_fn = entry.build()
+    if name == "tv_resnet18":  # the issue's size: batch 8 at 64x64
+        inputs, targets = zoo_module._images(8, 64)
+    return model, inputs, targets, loss_fn
+
+
+def run(name: str, entry_point: str) -> list[dict[str, Any]]:
+    model, inputs, targets, loss_fn = build(name)
+    model.train()
+    pooled_model = copy.deepcopy(model)
+    pool = sm.BufferPool("cpu")
+    opts = {
+        "eager": torch.optim.SGD(model.parameters(), lr=1e-3),
+        "pooled": torch.optim.SGD(pooled_model.parameters(), lr=1e-3),
+    }
+    step = (
+        sm.pooled_train_step(pooled_model, loss_fn, pool=pool)
+        if entry_point == "pooled_train_step"
+        else None
+    )
+    eval_inputs = _doubled(inputs)
+
+    def train(which: str) -> None:
+        m = model if which == "eager" else pooled_model
+        if which == "pooled" and step is not None:
+            step(inputs, targets) if loss_fn is not None else step(inputs)
+        elif which == "pooled":
+            with pool.step("train", inputs, targets, **grads_of(m)):
+                _loss(_call(m, inputs), targets, loss_fn).backward()
+        else:
+            _loss(_call(m, inputs), targets, loss_fn).backward()
+
+    def evaluate(which: str) -> None:
+        m = model if which == "eager" else pooled_model
+        m.eval()
+        with torch.no_grad():
+            if which == "pooled":
+                with pool.step("eval", eval_inputs):
+                    _call(m, eval_inputs)
+            else:
+                _call(m, eval_inputs)
+        m.train()
+
+    rows = []
+    for state in SEQUENCE:
+        figures = {}
+        for which in ("eager", "pooled"):
+            m = model if which == "eager" else pooled_model
+            if state == "none" and any(p.grad is not None for p in m.parameters()):
+                opts[which].step()
+                opts[which].zero_grad()  # PyTorch's default: set to None
+            before = pool.stats()
+            held = _held(pool)
+            torch.manual_seed(1)
+            run_one = (
+                (lambda w=which: evaluate(w)) if state == "eval" else (lambda w=which: train(w))
+            )
+            peak, made = allocator_events(run_one)
+            after = pool.stats()
+            if which == "pooled":
+                peak += after["reserved_bytes"] - held
+                served = after.get("arena_served_bytes", 0) - before.get("arena_served_bytes", 0)
+                figures["served"] = served / (served + made) if served + made else 1.0
+            figures[which] = peak
+        rows.append(
+            {
+                "state": state,
+                "peak": figures["pooled"] / figures["eager"] if figures["eager"] else 1.0,
+                "served": figures["served"],
+                "eager": figures["eager"],
+                "pooled": figures["pooled"],
+            }
+        )
+    exact = all(
+        (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+        for a, b in zip(model.parameters(), pooled_model.parameters(), strict=True)
+    ) and all(
+        torch.equal(a, b)
+        for a, b in zip(model.parameters(), pooled_model.parameters(), strict=True)
+    )
+    stats = pool.stats()
+    print(
+        f"{name} via {entry_point}: bit-exact {exact}; recorded {stats.get('recorded_calls', 0)}, "
+        f"replanned {stats.get('replanned_calls', 0)}, diverged {stats.get('diverged_calls', 0)}, "
+        f"reserved {stats['reserved_bytes']:,}"
+    )
+    return rows
+
+
+def main(names: list[str]) -> None:
+    for name in names or ["tv_resnet18", "hf_gpt2"]:
+        for entry_point in ("pool.step", "pooled_train_step"):
+            rows = run(name, entry_point)
+            print(f"{'call':>4} {'state':8} {'eager':>12} {'pooled':>12} {'peak':>6} {'served':>7}")
+            for i, r in enumerate(rows):
+                print(
+                    f"{i:4} {r['state']:8} {r['eager']:12,} {r['pooled']:12,} {r['peak']:6.3f} "
+                    f"{r['served']:7.1%}"
+                )
+            steady = [r for i, r in enumerate(rows) if i > 0 and r["state"] == "none"]
+            print(
+                f"{name} via {entry_point}: max peak {max(r['peak'] for r in rows):.3f} "
+                f"(first call {rows[0]['peak']:.3f}); steady default-loop calls: served median "
+                f"{statistics.median(r['served'] for r in steady):.1%}, min "
+                f"{min(r['served'] for r in steady):.1%}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
