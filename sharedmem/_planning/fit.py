@@ -452,12 +452,23 @@ class TrainBudget(Fitted):
         return total
 
     def _new_grad_bytes(self, absent: list[bool]) -> int:
-        """The bytes of the gradients this call made (absent before it): held by every
-        chunk after the first."""
+        """The bytes of the gradients this call made (absent before it) beside the pool:
+        held by every chunk after the first. Those the router placed in the step's arena are
+        in the pool's reserved bytes already."""
+        step = self.step
+        arenas = [
+            (base, base + step.pool.device_capacity(name))
+            for name, base in step.pool.arenas.lanes(f"{step.prefix}0")
+        ]
+
+        def beside(grad: torch.Tensor) -> bool:
+            at = grad.untyped_storage().data_ptr()
+            return not any(low <= at < high for low, high in arenas)
+
         return sum(
             p.grad.untyped_storage().nbytes()
             for p, was in zip(self.model.parameters(), absent, strict=True)
-            if was and p.grad is not None
+            if was and p.grad is not None and beside(p.grad)
         )
 
     def _weights(self) -> bool:

@@ -170,7 +170,9 @@ class Route:
                 counts = router.end_replay()
                 on_plan = counts["diverged_at"] < 0
                 beside = planned.plan.beside_peak + (0 if on_plan else counts["fell_back_bytes"])
-                self.last_peak = CallPeak(size, beside, False, on_plan)
+                # The arena as reserved (what the process holds for it), not the plan's part.
+                arena = self._host.device_capacity(lane)
+                self.last_peak = CallPeak(arena, beside, False, on_plan)
                 with self._lock:
                     self._account(counts, planned.plan)
         finally:
