@@ -201,58 +201,56 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
     rows = []
     for name in MODELS:
-        eager_s = max(r[name]["eager_s"] for r in ranks)
-        pooled_s = max(r[name]["pooled_s"] for r in ranks)
-        rows.append(
-            row(
-                f"{name} DDP step time, {WORLD} ranks",
-                pooled_s,
-                "s",
-                baseline=eager_s,
-                target="<= 1.05x eager DDP",
-                ok=pooled_s <= 1.05 * eager_s,
-            )
-        )
-        for rank, figures in enumerate(ranks):
-            eager, pooled = figures[name]["eager_peak"], figures[name]["pooled_peak"]
-            rows.append(
-                row(
-                    f"{name} DDP step peak, rank {rank}",
-                    pooled,
-                    "B",
-                    baseline=eager,
-                    target="<= 1.0x eager DDP",
-                    ok=pooled <= eager,
-                )
-            )
+        rows += _rows(ranks, name, f"{name} DDP", "eager DDP", lambda f: "")
     for name in MODELS:
-        key = f"fsdp-{name}"
-        eager_s = max(r[key]["eager_s"] for r in ranks)
-        pooled_s = max(r[key]["pooled_s"] for r in ranks)
+        rows += _rows(
+            ranks, f"fsdp-{name}", f"{name} FSDP2", "eager FSDP2", _served, " in pool.step()"
+        )
+    return rows
+
+
+def _served(f: dict[str, float]) -> str:
+    share = f["served"] / max(f["served"] + f["beside"], 1)
+    return (
+        f" ({share:.0%} of the step's dying bytes from the pool, {f['diverged']:.0f} replays "
+        "off plan)"
+    )
+
+
+def _rows(
+    ranks: list[dict[str, dict[str, float]]],
+    key: str,
+    label: str,
+    against: str,
+    note: Callable[[dict[str, float]], str],
+    where: str = "",
+) -> list[Row]:
+    """A model's step time (the slowest rank's) and each rank's peak, against ``against``;
+    a peak is held where it is at most the baseline's and no replay left its plan."""
+    eager_s = max(r[key]["eager_s"] for r in ranks)
+    pooled_s = max(r[key]["pooled_s"] for r in ranks)
+    rows = [
+        row(
+            f"{label} step time{where}, {WORLD} ranks",
+            pooled_s,
+            "s",
+            baseline=eager_s,
+            target=f"<= 1.05x {against}",
+            ok=pooled_s <= 1.05 * eager_s,
+        )
+    ]
+    for rank, figures in enumerate(ranks):
+        f = figures[key]
         rows.append(
             row(
-                f"{name} FSDP2 step time in pool.step(), {WORLD} ranks",
-                pooled_s,
-                "s",
-                baseline=eager_s,
-                target="<= 1.05x eager FSDP2",
-                ok=pooled_s <= 1.05 * eager_s,
+                f"{label} step peak, rank {rank}{note(f)}",
+                f["pooled_peak"],
+                "B",
+                baseline=f["eager_peak"],
+                target=f"<= 1.0x {against}",
+                ok=f["pooled_peak"] <= f["eager_peak"] and not f.get("diverged", 0),
             )
         )
-        for rank, figures in enumerate(ranks):
-            f = figures[key]
-            share = f["served"] / max(f["served"] + f["beside"], 1)
-            rows.append(
-                row(
-                    f"{name} FSDP2 step peak, rank {rank} ({share:.0%} of the step's dying "
-                    f"bytes from the pool, {f['diverged']:.0f} replays off plan)",
-                    f["pooled_peak"],
-                    "B",
-                    baseline=f["eager_peak"],
-                    target="<= 1.0x eager FSDP2",
-                    ok=f["pooled_peak"] <= f["eager_peak"] and not f["diverged"],
-                )
-            )
     return rows
 
 

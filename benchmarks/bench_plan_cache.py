@@ -18,14 +18,11 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
+from harness import child_json
 from torch import nn
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rss() -> int:
@@ -65,22 +62,14 @@ def _child(mode: str, calls: int) -> dict[str, int]:
 
 def measure(calls: int) -> dict[str, dict[str, int]]:
     """Each mode in a fresh process, so neither's memory counts in the other's."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        ONEDNN_PRIMITIVE_CACHE_CAPACITY="0",
-    )
-    result = {}
-    for mode in ("eager", "pooled"):
-        out = subprocess.run(
-            [sys.executable, __file__, "--child", mode, str(calls)],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
+    return {
+        mode: child_json(
+            [__file__, "--child", mode, str(calls)],
+            f"bench_plan_cache: the {mode} process",
+            ONEDNN_PRIMITIVE_CACHE_CAPACITY="0",
         )
-        result[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+        for mode in ("eager", "pooled")
+    }
 
 
 def main(argv: list[str]) -> None:

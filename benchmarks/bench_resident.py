@@ -18,17 +18,13 @@ seed; the losses are compared bit for bit.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Progress, Row, row, script_main
+from harness import Progress, Row, child_json, row, script_main
 
-ROOT = Path(__file__).resolve().parent.parent
 WAYS = ("eager", "pool.step", "pooled_train_step")
 TARGET = 0.10  # DESIGN §7: beyond eager after warm-up, at most 10% of eager's resident memory
 
@@ -85,18 +81,9 @@ print(json.dumps({"warm": after_warmup, "end": resident(), "losses": losses,
 
 
 def run_one(way: str, warmup: int, steps: int) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, way, str(warmup), str(steps)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
+    return child_json(
+        ["-c", CHILD, way, str(warmup), str(steps)], f"bench_resident: the {way} process"
     )
-    if done.returncode != 0:
-        raise SystemExit(f"bench_resident: the {way} process failed:\n{done.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
 
 
 def run(quick: bool = False, device: str = "cpu", progress: Progress | None = None) -> list[Row]:

@@ -20,17 +20,13 @@ compared bit for bit and drift hits both alike. Figures:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Progress, Row, row, script_main
+from harness import Progress, Row, child_json, row, script_main
 
-ROOT = Path(__file__).resolve().parent.parent
 STEADY_AFTER = 30
 MB = 1 << 20
 
@@ -143,18 +139,7 @@ print(json.dumps(out))
 
 
 def run_child(ways: str, steps: int, lengths: str) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, ways, str(steps), lengths],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"bench_varlen: the {ways} process failed:\n{done.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return child_json(["-c", CHILD, ways, str(steps), lengths], f"bench_varlen: the {ways} process")
 
 
 def _median(values: list[float]) -> float:

@@ -17,11 +17,12 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol, TypedDict
+from typing import Any, Protocol, TypedDict
 
 import torch
 
@@ -40,6 +41,7 @@ __all__ = [
     "Progress",
     "Row",
     "cheapest_empty",
+    "child_json",
     "environment",
     "growth_rows",
     "interleaved",
@@ -349,6 +351,25 @@ class Run(Protocol):
     def __call__(self, quick: bool, device: str, progress: Progress | None = None) -> list[Row]:
         """Every figure of one benchmark on ``device``."""
         ...
+
+
+def child_json(args: list[str], what: str, **env: str) -> dict[str, Any]:
+    """Run ``python ARGS`` in a fresh process (this checkout first on its path, ``env`` added)
+    and return the JSON object its last line of output prints: a figure of the process's own
+    memory must not count another's. A failure exits naming ``what``, with its error output."""
+    root = Path(__file__).resolve().parent.parent
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=path, **env),
+        check=False,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def script_main(

@@ -165,6 +165,14 @@ def _collective(run: Callable[..., Any], output: torch.Tensor, input: torch.Tens
             router.resume(scope)
 
 
+def _allocate(
+    size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A collective's buffer, from the allocator in scope (the router inside a step): FSDP2's
+    own default, written out because its ``Comm`` base leaves ``allocate`` abstract."""
+    return torch.empty(*size, dtype=dtype, device=device)
+
+
 @functools.cache
 def _comms() -> tuple[type, type]:
     """FSDP2's default collectives, handing the process group aliases that own nothing (made
@@ -173,10 +181,7 @@ def _comms() -> tuple[type, type]:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
     class AliasedAllGather(AllGather):
-        def allocate(
-            self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-        ) -> torch.Tensor:
-            return torch.empty(*size, dtype=dtype, device=device)
+        allocate = staticmethod(_allocate)
 
         def __call__(
             self,
@@ -191,10 +196,7 @@ def _comms() -> tuple[type, type]:
             return _collective(run, output_tensor, input_tensor)
 
     class AliasedReduceScatter(ReduceScatter):
-        def allocate(
-            self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-        ) -> torch.Tensor:
-            return torch.empty(*size, dtype=dtype, device=device)
+        allocate = staticmethod(_allocate)
 
         def __call__(
             self,
