@@ -7,6 +7,7 @@ block made keeps its bytes for as long as it lives."""
 from __future__ import annotations
 
 import copy
+import gc
 import random
 import warnings
 
@@ -232,6 +233,38 @@ def test_the_default_loops_gradients_live_in_the_arena_until_zero_grad_frees_the
             o.step()
         for a, b in zip(plain.parameters(), model.parameters(), strict=True):
             assert torch.equal(a, b), f"call {call}"
+
+
+def test_gradients_in_the_arena_outlive_the_pool_and_free_its_memory_when_they_go() -> None:
+    # The pool is dropped while the model still holds gradients placed in its arena: the
+    # arena's memory stays mapped for them (their values intact, however much is allocated
+    # after), nothing else is handed those bytes, and once the last of them is freed the
+    # memory goes back (no fence is left at its address for a later pool to plan around).
+    from sharedmem._backends.host import address_space_reserved
+
+    model, plain = _mlp(), _mlp()
+    pool = sm.BufferPool("cpu")
+    x, y = _data(32)
+    for _ in range(4):
+        model.zero_grad()
+        with pool.step("train", x, y, params=model):
+            nn.functional.cross_entropy(model(x), y).backward()
+    nn.functional.cross_entropy(plain(x), y).backward()
+    base, end = _arena(pool)
+    assert all(_in((base, end), p.grad) for p in model.parameters())
+    reserved = address_space_reserved()
+    del pool
+    gc.collect()
+    assert address_space_reserved() == reserved  # kept for the gradients
+    junk = [torch.full((1 << 18,), 7.0) for _ in range(16)]
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    del junk
+    assert native().live_ranges(base)
+    model.zero_grad()
+    gc.collect()
+    assert not native().live_ranges(base)
+    assert address_space_reserved() < reserved  # the last gradient gave the memory back
 
 
 def test_gradients_kept_by_zero_grad_set_to_none_false_stay_exact_and_are_left_out() -> None:

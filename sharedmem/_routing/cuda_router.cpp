@@ -111,10 +111,16 @@ std::unique_ptr<Scope> close_scope(StreamKey key, bool recording) {
   return owned;
 }
 
-void begin_record(uintptr_t base, size_t size, int device, uintptr_t stream) {
+// The storage of a view of the arena (held while allocations live in it), or none.
+c10::Storage storage_of(const std::optional<at::Tensor>& owner) {
+  return owner.has_value() && owner->defined() ? owner->storage() : c10::Storage();
+}
+
+void begin_record(uintptr_t base, size_t size, int device, uintptr_t stream,
+                  const std::optional<at::Tensor>& owner) {
   TORCH_CHECK(g_alloc.load() != nullptr, "sharedmem: the CUDA routing allocator is not installed");
   TORCH_CHECK(base % 64 == 0, "sharedmem: the arena's address is not 64-byte aligned");
-  open_scope({device, stream}, g_state.recording_scope(base, size));
+  open_scope({device, stream}, g_state.recording_scope(base, size, storage_of(owner)));
 }
 
 std::vector<std::vector<int64_t>> end_record(int device, uintptr_t stream) {
@@ -122,10 +128,10 @@ std::vector<std::vector<int64_t>> end_record(int device, uintptr_t stream) {
 }
 
 void begin_replay(const std::shared_ptr<Plan>& plan, uintptr_t base, size_t size, int device,
-                  uintptr_t stream) {
+                  uintptr_t stream, const std::optional<at::Tensor>& owner) {
   TORCH_CHECK(g_alloc.load() != nullptr, "sharedmem: the CUDA routing allocator is not installed");
   TORCH_CHECK(base % 64 == 0, "sharedmem: the arena's address is not 64-byte aligned");
-  open_scope({device, stream}, g_state.replay_scope(plan, base, size));
+  open_scope({device, stream}, g_state.replay_scope(plan, base, size, storage_of(owner)));
 }
 
 std::map<std::string, int64_t> end_replay(int device, uintptr_t stream) {
@@ -162,9 +168,12 @@ __attribute__((visibility("default"))) void sharedmem_cuda_free(void* ptr, size_
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   sharedmem_route::bind_plan(m);
   m.def("set_upstream", &set_upstream);
-  m.def("begin_record", &begin_record);
+  m.def("begin_record", &begin_record, pybind11::arg("base"), pybind11::arg("size"),
+        pybind11::arg("device"), pybind11::arg("stream"), pybind11::arg("owner") = pybind11::none());
   m.def("end_record", &end_record);
-  m.def("begin_replay", &begin_replay);
+  m.def("begin_replay", &begin_replay, pybind11::arg("plan"), pybind11::arg("base"),
+        pybind11::arg("size"), pybind11::arg("device"), pybind11::arg("stream"),
+        pybind11::arg("owner") = pybind11::none());
   m.def("end_replay", &end_replay);
   m.def("active", &active);
   m.def("live_bytes", &live_bytes);

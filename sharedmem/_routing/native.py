@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import threading
 import warnings
@@ -70,11 +71,21 @@ def build(name: str, source: Path, what: str) -> Any | None:
 
         with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
             return cpp_extension.load(
-                name=name, sources=[str(source)], extra_cflags=["-O2"], verbose=False
+                name=name,
+                sources=[str(source)],
+                extra_cflags=["-O2", f"-DSHAREDMEM_CORE={_header_digest()}"],
+                verbose=False,
             )
     except Exception as error:  # no compiler, no ninja, a failed build: fall back, say so once
         _warn_fallback(what, error)
         return None
+
+
+def _header_digest() -> str:
+    """A digest of ``route_core.h``, passed as a define: PyTorch rebuilds a cached extension
+    when its sources or flags change, and the header the sources include is neither."""
+    core = _SOURCE.with_name("route_core.h").read_bytes()
+    return hashlib.sha256(core).hexdigest()[:16]
 
 
 def _warn_fallback(what: str, error: BaseException) -> None:

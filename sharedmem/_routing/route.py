@@ -146,8 +146,11 @@ class Route:
             place = None if planned is None else self._place(lane, planned.plan)
             if planned is None or place is None:
                 before = self._host.device_capacity(lane)
-                base, size = self._room(lane)
-                router.begin_record(base, size)
+                room = self._room(lane)
+                if room is None:
+                    router.begin_record(0, 0, None)
+                else:  # the router keeps the view's memory while a tensor lives in it
+                    router.begin_record(room.data_ptr(), room.numel(), room)
                 completed = False
                 try:
                     yield
@@ -162,8 +165,7 @@ class Route:
                 peak = max(before + others.live_peak(), after + others.outliving_bytes)
                 self.last_peak = CallPeak(after, peak - after, True, True)
                 return
-            base, size = place
-            router.begin_replay(planned.native, base, size)
+            router.begin_replay(planned.native, *place)
             try:
                 yield
             finally:
@@ -210,24 +212,24 @@ class Route:
         self.plan = planned.plan
         return planned
 
-    def _room(self, lane: str) -> tuple[int, int]:
-        """The address and size of ``lane`` as it is, for a recording served inside it by
-        best fit (``(0, 0)``: no arena yet, PyTorch serves the call)."""
+    def _room(self, lane: str) -> torch.Tensor | None:
+        """``lane`` as it is, for a recording served inside it by best fit (``None``: no
+        arena yet, PyTorch serves the call)."""
         host = self._host
         capacity = host.device_capacity(lane)
         if not capacity:
-            return 0, 0
+            return None
         view = host.tensor(lane, (capacity,), torch.uint8)  # no growth: the size it has
         host.arenas.served_from(lane, view.data_ptr())
-        return view.data_ptr(), view.numel()
+        return view
 
-    def _place(self, lane: str, plan: RoutePlan) -> tuple[int, int] | None:
-        """The address and size of ``lane`` for a replay of ``plan`` (grown to its need where
-        it is smaller: a lane's first use, a trimmed arena), or ``None`` where it cannot be
-        (the pool's limit, or a moving buffer that holds kept tensors): the call then records
-        inside the lane as it is."""
+    def _place(self, lane: str, plan: RoutePlan) -> tuple[int, int, torch.Tensor | None] | None:
+        """The address, size and a view of ``lane`` for a replay of ``plan`` (grown to its
+        need where it is smaller: a lane's first use, a trimmed arena), or ``None`` where it
+        cannot be (the pool's limit, or a moving buffer that holds kept tensors): the call
+        then records inside the lane as it is."""
         if not plan.need:
-            return 0, 0
+            return 0, 0, None
         host = self._host
         if (
             host.device_capacity(lane) < plan.need
@@ -240,7 +242,7 @@ class Route:
         except OutOfMemoryError:
             return None
         host.arenas.served_from(lane, view.data_ptr())
-        return view.data_ptr(), view.numel()
+        return view.data_ptr(), view.numel(), view
 
     def _recorded(self, recording: Recording, lane: str, fences: Fences, *, adopt: bool) -> None:
         """A recording call ended: what it served inside the arena and beside it counted, and
@@ -481,14 +483,14 @@ class _StreamScopes:
     def active(self) -> bool:
         return bool(self._module.active(*self._key))
 
-    def begin_record(self, base: int, size: int) -> None:
-        self._module.begin_record(base, size, *self._key)
+    def begin_record(self, base: int, size: int, owner: torch.Tensor | None) -> None:
+        self._module.begin_record(base, size, *self._key, owner)
 
     def end_record(self) -> list[list[int]]:
         return list(self._module.end_record(*self._key))
 
-    def begin_replay(self, plan: Any, base: int, size: int) -> None:
-        self._module.begin_replay(plan, base, size, *self._key)
+    def begin_replay(self, plan: Any, base: int, size: int, owner: torch.Tensor | None) -> None:
+        self._module.begin_replay(plan, base, size, *self._key, owner)
 
     def end_replay(self) -> dict[str, int]:
         return dict(self._module.end_replay(*self._key))

@@ -38,6 +38,10 @@ struct Arena {
   size_t size = 0;
   std::map<uintptr_t, uintptr_t> live;  // start -> end of every arena allocation alive
   size_t live_bytes = 0;
+  // The arena's memory, held while any allocation lives in it: a tensor the user keeps (a
+  // gradient planned into the arena) must outlive the pool that owned its bytes, and those
+  // bytes must not be mapped again for another arena while the tensor reads them.
+  c10::Storage keep;
 };
 
 struct Recording {
@@ -71,6 +75,7 @@ struct Scope {
   std::shared_ptr<Recording> rec;  // replaying: the planned-out allocations, watched
   std::shared_ptr<Plan> plan;
   std::shared_ptr<Arena> arena;
+  c10::Storage owner;  // the arena's memory (undefined: the caller gave none)
   Counts counts;
   std::vector<Served> served;  // the arena allocations this scope handed out
 };
@@ -157,6 +162,10 @@ class State {
   // pool: nothing to give back upstream); a watched one has its free recorded.
   bool release(void* ptr) {
     if (watched_.load(std::memory_order_acquire) == 0) return false;
+    // Declared before the lock, so destroyed after it is released: the last reference to an
+    // arena's memory may run a deleter that takes Python's lock (a ``torch.frombuffer``
+    // block), which must never wait while this lock is held.
+    c10::Storage dropped;
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = pending_.find(ptr);
     if (it != pending_.end()) {  // a recording's allocation (in the arena or upstream)
@@ -172,7 +181,10 @@ class State {
       if (live != arena->live.end()) {
         arena->live_bytes -= live->second - live->first;
         arena->live.erase(live);
-        if (arena->live.empty()) watched_.fetch_sub(1);
+        if (arena->live.empty()) {
+          watched_.fetch_sub(1);
+          dropped = std::move(arena->keep);
+        }
         return true;
       }
     }
@@ -180,17 +192,20 @@ class State {
   }
 
   // ``size`` 0: no arena, every allocation upstream.
-  std::unique_ptr<Scope> recording_scope(uintptr_t base, size_t size) {
+  // ``owner``: the arena's memory, held by the arena while allocations live in it.
+  std::unique_ptr<Scope> recording_scope(uintptr_t base, size_t size, c10::Storage owner = {}) {
     auto scope = std::make_unique<Scope>();
     scope->recording = true;
+    scope->owner = std::move(owner);
     scope->rec = std::make_shared<Recording>();
     if (size > 0) scope->arena = arena_at(base, size);
     return scope;
   }
 
   std::unique_ptr<Scope> replay_scope(const std::shared_ptr<Plan>& plan, uintptr_t base,
-                                      size_t size) {
+                                      size_t size, c10::Storage owner = {}) {
     auto scope = std::make_unique<Scope>();
+    scope->owner = std::move(owner);
     scope->plan = plan;
     scope->rec = std::make_shared<Recording>();
     scope->arena = arena_at(base, size);
@@ -303,6 +318,7 @@ class State {
   // Hand out [start, start + n) of ``arena`` to ``scope`` (the caller holds the lock).
   void take(Arena& arena, Scope& scope, uintptr_t start, size_t n, int64_t index) {
     if (arena.live.empty()) watched_.fetch_add(1);
+    if (!arena.keep) arena.keep = scope.owner;
     arena.live.emplace(start, start + n);
     arena.live_bytes += n;
     scope.counts.served++;

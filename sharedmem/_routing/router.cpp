@@ -87,11 +87,18 @@ void check_idle() {
   TORCH_CHECK(t_scope == nullptr, "sharedmem: a step's scope is already open on this thread");
 }
 
+// The storage of a view of the arena (held while allocations live in it), or none.
+c10::Storage storage_of(const std::optional<at::Tensor>& owner) {
+  return owner.has_value() && owner->defined() ? owner->storage() : c10::Storage();
+}
+
 // ``size`` 0: no arena (every allocation upstream); else best fit in [base, base + size).
-void begin_record(uintptr_t base, size_t size) {
+// ``owner``: a tensor over the arena's memory, which the arena keeps while it serves a
+// tensor still alive.
+void begin_record(uintptr_t base, size_t size, const std::optional<at::Tensor>& owner) {
   check_idle();
   TORCH_CHECK(base % 64 == 0, "sharedmem: the arena's address is not 64-byte aligned");
-  t_scope = g_state.recording_scope(base, size).release();
+  t_scope = g_state.recording_scope(base, size, storage_of(owner)).release();
 }
 
 // The recording as four lists (size, allocated at, freed at or -1, arena offset or -1), and
@@ -103,10 +110,11 @@ std::vector<std::vector<int64_t>> end_record() {
   return g_state.recorded(*owned);
 }
 
-void begin_replay(const std::shared_ptr<Plan>& plan, uintptr_t base, size_t size) {
+void begin_replay(const std::shared_ptr<Plan>& plan, uintptr_t base, size_t size,
+                  const std::optional<at::Tensor>& owner) {
   check_idle();
   TORCH_CHECK(base % 64 == 0, "sharedmem: the arena's address is not 64-byte aligned");
-  t_scope = g_state.replay_scope(plan, base, size).release();
+  t_scope = g_state.replay_scope(plan, base, size, storage_of(owner)).release();
 }
 
 // The call's counts, and the scope closed.
@@ -143,9 +151,11 @@ bool active() { return t_scope != nullptr; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   sharedmem_route::bind_plan(m);
   m.def("install", &install);
-  m.def("begin_record", &begin_record);
+  m.def("begin_record", &begin_record, pybind11::arg("base"), pybind11::arg("size"),
+        pybind11::arg("owner") = pybind11::none());
   m.def("end_record", &end_record);
-  m.def("begin_replay", &begin_replay);
+  m.def("begin_replay", &begin_replay, pybind11::arg("plan"), pybind11::arg("base"),
+        pybind11::arg("size"), pybind11::arg("owner") = pybind11::none());
   m.def("end_replay", &end_replay);
   m.def("live_bytes", &live_bytes);
   m.def("live_ranges", &live_ranges);
