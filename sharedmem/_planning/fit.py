@@ -599,8 +599,8 @@ class TrainBudget(Fitted):
             warn_once(
                 self._said.setdefault("reduction", []),
                 "sharedmem: the loss function does not say how it reduces over the batch; "
-                "its chunks are weighted as a mean (PyTorch's default). Pass reduction='sum' "
-                "if it sums",
+                "its chunks are weighted as a mean (PyTorch's default). If it sums, pass "
+                "chunks=sm.Chunks(..., reduction='sum')",
             )
 
 
