@@ -16,6 +16,7 @@ from ._executor.fsdp import prepare_fsdp
 from ._executor.policy import Recompute
 from ._offload import save_on_pool
 from ._planning import (
+    Chunks,
     MemoryEstimate,
     MemoryTracker,
     PhaseMemory,
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Blob",
     "BufferPool",
+    "Chunks",
     "Head",
     "MemoryEstimate",
     "MemoryTracker",

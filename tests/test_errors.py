@@ -210,7 +210,7 @@ def test_a_loss_fn_of_the_wrong_arity_is_refused_before_tracing(
     with pytest.raises(TypeError, match=message):
         sm.pooled_train_step(_mlp(), loss_fn, pool=pool)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=message):
-        sm.fit_step(_mlp(), loss_fn, chunks=2)  # type: ignore[arg-type]
+        sm.fit_eager_step(_mlp(), loss_fn, chunks=2)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=message):
         sm.estimate(_mlp(), torch.randn(4, 16), torch.randn(4, 4), loss_fn=loss_fn)  # type: ignore[arg-type]
     assert len(pool) == 0  # nothing was traced or planned
@@ -265,6 +265,13 @@ def test_an_input_the_model_cannot_take_is_one_line_naming_the_module() -> None:
             assert "Eager PyTorch fails there too" in text
         with pytest.raises(RuntimeError):  # the estimate runs the model as eager would
             sm.estimate(model, x, y, loss_fn=F.mse_loss)
+        # The eager step fitted to a budget estimates its chunks the same way: one line too.
+        eager = sm.fit_eager_step(model, F.mse_loss, budget="1G")
+        with pytest.raises(sm.SharedMemError) as caught:
+            eager(x, y)
+        text = str(caught.value)
+        assert text.startswith("sharedmem: fit_eager_step could not estimate a chunk of 4x16 ")
+        assert "\n" not in text and "targets 4x4 float32" in text and "Eager PyTorch" in text
     finally:
         logger.removeHandler(seen)
     assert [r.getMessage() for r in seen.records if r.levelno >= logging.ERROR] == []

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -179,9 +181,9 @@ def test_a_users_split_weights_padded_sequences_by_their_tokens() -> None:
         want_loss, want = eager_grads(PerStep(), token_mean, x, (y, mask))
         for make_step in (
             lambda m: sm.pooled_train_step(
-                m, token_mean, pool=sm.BufferPool("cpu"), chunks=3, split=split
+                m, token_mean, pool=sm.BufferPool("cpu"), chunks=sm.Chunks(3, split=split)
             ),
-            lambda m: sm.fit_eager_step(m, token_mean, chunks=3, split=split),
+            lambda m: sm.fit_eager_step(m, token_mean, chunks=sm.Chunks(3, split=split)),
         ):
             model = PerStep()
             loss = make_step(model)(x, (y, mask))
@@ -264,7 +266,7 @@ def test_the_chosen_count_is_the_fewest_the_budget_allows(kind: str) -> None:
         budget = int(unchunked * share)
         pool = sm.BufferPool("cpu")
         step = sm.pooled_train_step(  # chunks only: recomputation meets some of these
-            MODELS[kind](0), F.mse_loss, pool=pool, budget=budget, max_slowdown=1.0
+            MODELS[kind](0), F.mse_loss, pool=pool, budget=budget, recompute=sm.Recompute.OFF
         )
         chosen = step.chunks_for(x, y)
         assert pool.stats()["reserved_bytes"] == 0, "choosing allocates nothing"
@@ -430,14 +432,32 @@ def test_bad_arguments_say_what_is_wrong() -> None:
         ({"budget": "8Q"}, ValueError, "budget"),
         ({"chunks": 0}, ValueError, "chunks"),
         ({"budget": 10, "chunks": 2}, ValueError, "not both"),
-        ({"chunks": 2, "batch_dim": -1}, ValueError, "batch_dim"),
-        ({"chunks": 2, "split": 3}, TypeError, "split"),
-        ({"chunks": 2, "reduction": "max"}, ValueError, "reduction"),
-        ({"budget": 10, "exact": "no"}, TypeError, "exact"),
-        ({"exact": False}, ValueError, "exact=False"),
+        ({"chunks": "4"}, TypeError, r"chunks must be a number of chunks or a sharedmem\.Chunks"),
+        ({"chunks": sm.Chunks(exact=False)}, ValueError, "exact=False"),
+        ({"chunks": sm.Chunks(2, exact=False)}, ValueError, "exact=False"),
+        ({"chunks": sm.Chunks(batch_dim=1)}, ValueError, r"gives no count: give one"),
+        ({"budget": 10, "chunks": sm.Chunks(2)}, ValueError, "not both"),
     ]:
         with pytest.raises(error, match=f"^sharedmem: .*{text}"):
             sm.pooled_train_step(mlp(0), F.mse_loss, pool=pool, **kwargs)  # type: ignore[arg-type]
+    for fields, error, text in [
+        ({"count": 0}, ValueError, "chunks must be an int >= 1"),
+        ({"count": 2.0}, TypeError, "chunks must be an int >= 1"),
+        ({"batch_dim": -1}, ValueError, "batch_dim"),
+        ({"split": 3}, TypeError, "split"),
+        ({"reduction": "max"}, ValueError, "reduction"),
+        ({"exact": "no"}, TypeError, "exact"),
+    ]:
+        with pytest.raises(error, match=f"^sharedmem: .*{text}"):
+            sm.Chunks(**fields)  # type: ignore[arg-type]
+    for kwargs, text in [  # what a forward or an eager step has no use for
+        ({"chunks": sm.Chunks(2, reduction="sum")}, "a forward has no loss to weigh"),
+        ({"budget": 10, "chunks": sm.Chunks(exact=False)}, "only sm.pooled_train_step has"),
+    ]:
+        with pytest.raises(ValueError, match=f"^sharedmem: .*{text}"):
+            sm.pooled_forward(mlp(0), pool=pool, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^sharedmem: exact=False .* fit_eager_step meets"):
+        sm.fit_eager_step(mlp(0), F.mse_loss, budget=10, chunks=sm.Chunks(exact=False))
     with pytest.raises(ValueError, match=r"^sharedmem: fit_eager_step needs"):
         sm.fit_eager_step(mlp(0), F.mse_loss)
     with pytest.raises(TypeError, match=r"^sharedmem: model"):
@@ -553,7 +573,11 @@ def test_exact_false_takes_whichever_of_chunks_and_recomputation_is_modelled_fas
     exact = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=budget)
     assert exact.chunks_for(x, y) == 1 and exact.recomputing and not exact.compared
     either = sm.pooled_train_step(
-        deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=budget, exact=False
+        deep_cnn(0),
+        F.mse_loss,
+        pool=sm.BufferPool("cpu"),
+        budget=budget,
+        chunks=sm.Chunks(exact=False),
     )
     chosen = either.chunks_for(x, y)
     ((label, (chunks, by_chunks, by_recomputing)),) = either.compared.items()
@@ -566,17 +590,31 @@ def test_exact_false_takes_whichever_of_chunks_and_recomputation_is_modelled_fas
     assert torch.isfinite(loss) and all(p.grad is not None for p in either.model.parameters())
 
 
-def test_max_slowdown_caps_the_recomputation_a_budget_may_choose() -> None:
+def test_recompute_with_a_budget_caps_what_the_budget_may_choose() -> None:
+    # One meaning: the most time recomputation may add. With a budget, the budget takes
+    # the least recomputation that fits within it; Recompute.OFF gives no time: chunks.
     x, y, unchunked = _cnn_batch()
     budget = int(unchunked * 0.7)
     pool = sm.BufferPool("cpu")
     free = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=pool, budget=budget)
     assert free.chunks_for(x, y) == 1 and free.recomputing
-    # 1.0: no time given up for memory: chunks meet the budget instead.
+    chosen = free.recompute.max_slowdown
     capped = sm.pooled_train_step(
-        deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=budget, max_slowdown=1.0
+        deep_cnn(0),
+        F.mse_loss,
+        pool=sm.BufferPool("cpu"),
+        budget=budget,
+        recompute=sm.Recompute.OFF,
     )
     assert capped.chunks_for(x, y) > 1 and not capped.recomputing
+    roomy = sm.pooled_train_step(
+        deep_cnn(0),
+        F.mse_loss,
+        pool=sm.BufferPool("cpu"),
+        budget=budget,
+        recompute=sm.Recompute.within(chosen + 1.0),
+    )
+    assert roomy.chunks_for(x, y) == 1 and roomy.recompute == free.recompute
 
 
 def test_recompute_within_gives_the_least_memory_within_it_bit_for_bit() -> None:
@@ -599,48 +637,85 @@ def test_recompute_within_gives_the_least_memory_within_it_bit_for_bit() -> None
     assert unchunked > peaks[1.05] >= peaks[1.2] >= peaks[1.5], (unchunked, peaks)
 
 
-def test_max_slowdown_alone_is_deprecated_for_recompute_within_and_plans_the_same() -> None:
-    # max_slowdown has one meaning, the cap on a budget's choice; alone it asked for the
-    # least memory within it, which is spelled recompute=sm.Recompute.within(...) now.
+def test_the_old_keywords_warn_once_with_the_new_spelling_and_do_the_same() -> None:
+    # reduction=, batch_dim=, split=, exact= are sm.Chunks(...) now, max_slowdown= is
+    # sm.Recompute.within(...): one DeprecationWarning per call names the call to write.
     x, y, _ = _cnn_batch()
-    with pytest.warns(DeprecationWarning, match=r"recompute=sm\.Recompute\.within\(1\.2\)"):
-        old = sm.pooled_train_step(
-            deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), max_slowdown=1.2
-        )
-    new = sm.pooled_train_step(
-        deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), recompute=sm.Recompute.within(1.2)
-    )
-    assert old.recompute == new.recompute == sm.Recompute(1.2)
-    assert old.memory_plan(x, y) == new.memory_plan(x, y)
-
-
-@pytest.mark.parametrize(
-    ("value", "error", "match"),
-    [
-        ("1.2", TypeError, "max_slowdown must be a number"),
-        (True, TypeError, "max_slowdown must be a number"),
-        (0.9, ValueError, "at least 1.0"),
-        (float("nan"), ValueError, "at least 1.0"),
-    ],
-)
-def test_a_bad_max_slowdown_is_refused(value: object, error: type, match: str) -> None:
-    with pytest.raises(error, match=f"sharedmem: .*{match}"):
-        sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), max_slowdown=value)  # type: ignore[arg-type]
-
-
-def test_max_slowdown_with_fixed_chunks_says_to_give_a_budget() -> None:
-    with pytest.raises(ValueError, match="give a budget instead of chunks"):
-        sm.pooled_train_step(
-            deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), chunks=2, max_slowdown=1.2
-        )
+    old_and_new: list[tuple[dict[str, Any], dict[str, Any], str]] = [
+        (
+            {"max_slowdown": 1.2},
+            {"recompute": sm.Recompute.within(1.2)},
+            r"pooled_train_step\(max_slowdown=1\.2\) is deprecated: pass "
+            r"recompute=sm\.Recompute\.within\(1\.2\)$",
+        ),
+        (
+            {"budget": 10**9, "max_slowdown": 1.0, "exact": False, "batch_dim": 0},
+            {"budget": 10**9, "recompute": sm.Recompute.OFF, "chunks": sm.Chunks(exact=False)},
+            r"pass chunks=sm\.Chunks\(exact=False, batch_dim=0\), "
+            r"recompute=sm\.Recompute\.within\(1\.0\)$",
+        ),
+        (
+            {"chunks": 2, "reduction": "sum"},
+            {"chunks": sm.Chunks(2, reduction="sum")},
+            r"pass chunks=sm\.Chunks\(2, reduction='sum'\)$",
+        ),
+        (  # as before, chunking settings without a budget or a count do nothing
+            {"batch_dim": 1},
+            {},
+            r"with budget= or a count \(without either it does nothing: leave it out\)$",
+        ),
+    ]
+    for old_kwargs, new_kwargs, said in old_and_new:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old = sm.pooled_train_step(
+                deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), **old_kwargs
+            )
+        assert [w.category for w in caught] == [DeprecationWarning], caught
+        message = str(caught[0].message)
+        assert message.startswith("sharedmem: pooled_train_step(") and re.search(said, message)
+        new = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), **new_kwargs)
+        assert old.recompute == new.recompute, old_kwargs
+        assert old.chunks_for(x, y) == new.chunks_for(x, y), old_kwargs
+        if old.budget_policy is None:
+            assert new.budget_policy is None
+            assert old.memory_plan(x, y) == new.memory_plan(x, y)
+        else:
+            assert new.budget_policy is not None
+            for field in ("max_slowdown", "exact", "reduction", "fixed", "budget"):
+                assert getattr(old.budget_policy, field) == getattr(new.budget_policy, field)
+    with pytest.warns(DeprecationWarning, match=r"pass chunks=sm\.Chunks\(2, batch_dim=0\)$"):
+        fwd = sm.pooled_forward(deep_cnn(0), pool=sm.BufferPool("cpu"), chunks=2, batch_dim=0)
+    assert fwd.chunks_for(x) == 2
+    with pytest.warns(DeprecationWarning, match=r"pass chunks=sm\.Chunks\(3, reduction='sum'\)$"):
+        eager = sm.fit_eager_step(deep_cnn(0), F.mse_loss, chunks=3, reduction="sum")
+    assert eager.chunks_for(x, y) == 3 and eager.reduction == "sum"
+    # A bad old value is refused as its record refuses it; old and new together, and a
+    # keyword that never was, are refused too.
+    bad: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({"max_slowdown": 0.9}, ValueError, "Recompute's max_slowdown must be at least 1.0"),
+        ({"max_slowdown": "1.2"}, TypeError, "Recompute's max_slowdown must be a number"),
+        ({"chunks": 2, "batch_dim": -1}, ValueError, "batch_dim must be an int"),
+        ({"max_slowdown": 1.2, "recompute": sm.Recompute.MOST}, TypeError, "give one or"),
+        ({"chunks": sm.Chunks(2, batch_dim=1), "reduction": "sum"}, TypeError, "inside"),
+        ({"max_slowdwn": 1.2}, TypeError, "unexpected keyword argument 'max_slowdwn'"),
+    ]
+    for kwargs, error, text in bad:
+        with pytest.raises(error, match=f"^sharedmem: .*{text}"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), **kwargs)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
         ({"recompute": 1.3}, TypeError, r"recompute must be a sharedmem\.Recompute"),
-        ({"recompute": sm.Recompute.MOST, "budget": 10**6}, ValueError, "give one or the other"),
-        ({"recompute": sm.Recompute.within(1.2), "chunks": 2}, ValueError, "give one or"),
+        ({"recompute": sm.Recompute.within(1.2), "chunks": 2}, ValueError, "nothing is chosen"),
+        (
+            {"recompute": sm.Recompute.MOST, "chunks": sm.Chunks(2, batch_dim=0)},
+            ValueError,
+            "give budget= instead of a count",
+        ),
     ],
 )
 def test_a_bad_recompute_is_refused(kwargs: dict[str, object], error: type, match: str) -> None:

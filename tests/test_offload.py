@@ -266,11 +266,13 @@ def test_stats_count_offloaded_restored_and_prefetched_bytes_on_emulated() -> No
     assert "prefetched" not in quiet.report()
 
 
-def test_without_offload_saved_tensors_live_in_device_buffers() -> None:
+def test_offload_false_is_deprecated_and_keeps_saved_tensors_in_device_buffers() -> None:
     pool = sm.BufferPool("emulated")
     model = mlp(width=256, depth=2).double()
     x = torch.randn(512, 256, dtype=F64)
-    with sm.save_on_pool(pool, offload=False):
+    with pytest.warns(DeprecationWarning, match=r"offload=False\) is deprecated: .*pool\.step"):
+        saving = sm.save_on_pool(pool, offload=False)
+    with saving:
         loss = model(x).sum()
     stats = pool.stats()
     assert stats["pooled_bytes_total"] == stats["device_reserved_bytes"] == 3 * MiB
@@ -302,7 +304,8 @@ def test_prefetch_takes_a_depth(prefetch: int) -> None:
 def test_a_pool_limit_caps_saved_tensors_kept_on_the_device() -> None:
     pool = sm.BufferPool("emulated", limit=3 * MiB)
     model = mlp(width=256, depth=4).double()
-    saving = sm.save_on_pool(pool, offload=False)
+    with pytest.warns(DeprecationWarning, match="offload=False"):
+        saving = sm.save_on_pool(pool, offload=False)
     with pytest.raises(sm.OutOfMemoryError, match="saved"), saving:
         model(torch.randn(512, 256, dtype=F64)).sum()
     with sm.save_on_pool(pool):  # offloaded, the limit on device bytes does not apply

@@ -32,6 +32,11 @@ class Recompute:
     Every kind computes the very ops eager ran on the very same inputs: the results and
     gradients are bit for bit the default step's; only time and memory differ.
 
+    ``max_slowdown`` means one thing wherever a record is given (``recompute=`` of
+    ``sm.pooled_train_step``): the most time recomputation may add. Without a budget the
+    step takes all the memory that time buys; with ``budget=`` only as much as the budget
+    needs (``Recompute.OFF``: chunks meet it; without ``recompute=`` there is no cap).
+
     Attributes:
         max_slowdown: the most modelled time the recomputation may add, as a factor of the
             step's own (at least 1.0; ``math.inf``: as much as lowers the peak).

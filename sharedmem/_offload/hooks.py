@@ -4,6 +4,7 @@ prefetched, just before backward needs them (vDNN on a pool)."""
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -101,8 +102,11 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
     Args:
         pool: the pool that holds the saved tensors.
         offload: ``True``: host buffers (the memory of ``cpu`` itself, emulated host memory,
-            pinned memory on CUDA), giving the device memory back. ``False``: the pool's device
-            buffers (saved activations show in the pool's stats and count against its limit).
+            pinned memory on CUDA), giving the device memory back. ``False`` (deprecated: a
+            step's memory in the pool is ``with pool.step(name, *inputs):`` around forward
+            and backward, which serves every allocation of the step without a copy): the
+            pool's device buffers (saved activations show in the pool's stats and count
+            against its limit).
         prefetch: restore ahead of use (``True``: up to 2 tensors ahead; an int: that many).
         min_bytes: smaller tensors are left alone (default 1 MiB).
 
@@ -137,6 +141,15 @@ class save_on_pool(torch.autograd.graph.saved_tensors_hooks):
             )
         if not isinstance(offload, bool):
             raise TypeError(f"sharedmem: offload must be a bool, got {type(offload).__name__}")
+        if not offload:
+            warnings.warn(
+                "sharedmem: save_on_pool(pool, offload=False) is deprecated: to keep a step's "
+                "memory in the pool, run forward and backward in `with pool.step(name, "
+                "*inputs):` (every allocation of the step served from the pool, no copies); "
+                "save_on_pool is for offloading saved tensors to host memory",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         if isinstance(prefetch, bool):
             depth = _DEFAULT_DEPTH if prefetch else 0
         elif isinstance(prefetch, int):

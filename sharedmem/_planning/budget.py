@@ -24,8 +24,6 @@ __all__ = [
     "Need",
     "budget_bytes",
     "check_budget",
-    "check_exact",
-    "check_max_slowdown",
     "machine_available_bytes",
     "parse_bytes",
 ]
@@ -86,43 +84,6 @@ def check_budget(budget: object, chunks: object) -> int | str | None:
                 "chunks, not both"
             )
     return budget
-
-
-def check_max_slowdown(max_slowdown: object, chunks: object) -> float | None:
-    """``max_slowdown`` as a float (``None`` stays ``None``); refuse anything but a number of
-    at least 1.0, or one given with a fixed chunk count (nothing is chosen then)."""
-    if max_slowdown is None:
-        return None
-    if isinstance(max_slowdown, bool) or not isinstance(max_slowdown, (int, float)):
-        raise TypeError(
-            f"sharedmem: max_slowdown must be a number (1.3: up to 30% more time), got "
-            f"{type(max_slowdown).__name__}"
-        )
-    if not max_slowdown >= 1.0:  # (NaN too)
-        raise ValueError(
-            f"sharedmem: max_slowdown must be at least 1.0 (1.0: no time given up), got "
-            f"{max_slowdown!r}"
-        )
-    if chunks is not None:
-        raise ValueError(
-            "sharedmem: max_slowdown limits the recomputation chosen for a budget (or alone, "
-            "the least memory within it); with a fixed number of chunks there is nothing to "
-            "choose: give a budget instead of chunks"
-        )
-    return float(max_slowdown)
-
-
-def check_exact(exact: object, budget: object) -> bool:
-    """``exact`` as given; refuse anything but a bool, and ``False`` without a budget (only a
-    budget has chunks to choose)."""
-    if not isinstance(exact, bool):
-        raise TypeError(f"sharedmem: exact must be True or False, got {type(exact).__name__}")
-    if not exact and budget is None:
-        raise ValueError(
-            "sharedmem: exact=False lets a budget be met by chunks where they are modelled "
-            "faster than recomputation; without budget= there is nothing to choose: give one"
-        )
-    return exact
 
 
 def budget_bytes(budget: int | str, device: torch.device, pool: BufferPool | None) -> int:

@@ -12,6 +12,7 @@ import functools
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,6 +22,7 @@ from torch import nn
 
 __all__ = [
     "Chunk",
+    "Chunks",
     "Splitter",
     "WeightedLoss",
     "batch_size",
@@ -31,6 +33,84 @@ __all__ = [
 Loss = Callable[[Any, Any], torch.Tensor]
 # split(inputs, targets, chunks) -> [(inputs_k, targets_k, weight_k), ...]
 UserSplit = Callable[[Any, Any, int], Sequence[tuple[Any, ...]]]
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """How a step cuts a batch into micro-batches ("chunks") and weighs their losses: one
+    record, given as ``chunks=`` to ``sm.pooled_train_step``, ``sm.pooled_forward`` and
+    ``sm.fit_eager_step`` (``chunks=4`` is short for ``chunks=sm.Chunks(4)``).
+
+    Attributes:
+        count: run every batch in this many chunks (a batch with fewer examples runs in one
+            chunk per example, with a warning once per batch shape); ``None``: as many as
+            ``budget=`` needs (a count and a budget are not given together).
+        reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over the batch, where it
+            does not say (``nn`` and ``torch.nn.functional`` losses do); an unknown callable
+            is taken as a mean, with a warning. Train steps only.
+        batch_dim: the batch dimension of every input, target and output tensor.
+        split: ``split(inputs, targets, chunks)`` returns ``chunks`` tuples ``(inputs,
+            targets[, weight])``, for layouts a plain split cannot cut (padded or packed
+            sequences); a weight is the chunk's share of the batch's loss. Train steps only.
+        exact: with ``budget=`` on a pooled train step: ``True`` (the default), chunks only
+            where recomputation, which computes the very same values, cannot meet the
+            budget; ``False``: whichever of the two the cost model says adds less time.
+
+    Example::
+
+        >>> import sharedmem as sm
+        >>> sm.Chunks(4, batch_dim=1)
+        Chunks(count=4, reduction=None, batch_dim=1, split=None, exact=True)
+    """
+
+    count: int | None = None
+    reduction: str | None = None
+    batch_dim: int = 0
+    split: UserSplit | None = None
+    exact: bool = True
+
+    def __post_init__(self) -> None:
+        count = self.count
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int)):
+            raise TypeError(f"sharedmem: chunks must be an int >= 1, got {count!r}")
+        if count is not None and count < 1:
+            raise ValueError(f"sharedmem: chunks must be an int >= 1, got {count!r}")
+        if self.reduction not in (None, "mean", "sum"):
+            raise ValueError(
+                f"sharedmem: reduction must be 'mean' or 'sum', got {self.reduction!r}"
+            )
+        Splitter(self.batch_dim, self.split)  # refuses a bad batch_dim or split
+        if not isinstance(self.exact, bool):
+            raise TypeError(
+                f"sharedmem: exact must be True or False, got {type(self.exact).__name__}"
+            )
+
+    @classmethod
+    def of(cls, chunks: object) -> Chunks | None:
+        """``chunks=`` as a record: ``None`` stays ``None``, an int is the count."""
+        if chunks is None or isinstance(chunks, Chunks):
+            return chunks
+        if isinstance(chunks, bool) or not isinstance(chunks, int):
+            raise TypeError(
+                "sharedmem: chunks must be a number of chunks or a sharedmem.Chunks "
+                f"(sm.Chunks(4, batch_dim=1)), got {type(chunks).__name__}"
+            )
+        return cls(chunks)
+
+    @property
+    def splitter(self) -> Splitter:
+        return Splitter(self.batch_dim, self.split)
+
+    def spelled(self) -> str:
+        """The record as a call would write it: ``"sm.Chunks(4, batch_dim=1)"``."""
+        given = [] if self.count is None else [str(self.count)]
+        for name, default in (("reduction", None), ("batch_dim", 0), ("exact", True)):
+            value = getattr(self, name)
+            if value != default:
+                given.append(f"{name}={value!r}")
+        if self.split is not None:
+            given.append(f"split={getattr(self.split, '__name__', 'split')}")
+        return f"sm.Chunks({', '.join(given)})"
 
 
 class Chunk(NamedTuple):
@@ -53,8 +133,9 @@ def batch_size(tree: object, batch_dim: int, what: str) -> int:
         shapes = ", ".join(str(tuple(t.shape)) for t in flat) or "no tensors"
         raise ValueError(
             f"sharedmem: to split a batch every tensor of the {what} needs the same size along "
-            f"dimension {batch_dim} (batch_dim); got {shapes}. Pass batch_dim=... or a "
-            "split=... function for other layouts"
+            f"dimension {batch_dim} (batch_dim); got {shapes}. Pass "
+            "chunks=sm.Chunks(batch_dim=...), or chunks=sm.Chunks(split=...) with a function "
+            "for other layouts"
         )
     return int(sizes.pop())
 
@@ -102,7 +183,8 @@ class Splitter:
             if m != n:
                 raise ValueError(
                     f"sharedmem: the inputs hold {n} examples along dimension {self.batch_dim} "
-                    f"but the targets {m}; pass split=... if they are laid out differently"
+                    f"but the targets {m}; pass chunks=sm.Chunks(split=...) if they are laid out "
+                    "differently"
                 )
         return n
 

@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .._errors import OutOfMemoryError
+from .._errors import OutOfMemoryError, SharedMemError
 from .._executor import PooledForward, PooledTrainStep
 from .._executor.calling import OwnLoss, call_model, check_targets, plain_mapping
 from .._executor.executor import MemoryPlan
@@ -610,8 +610,8 @@ class TrainBudget(Fitted):
             warn_once(
                 self._said.setdefault("reduction", []),
                 "sharedmem: the loss function does not say how it reduces over the batch; "
-                "its chunks are weighted as a mean (PyTorch's default). Pass reduction='sum' "
-                "if it sums",
+                "its chunks are weighted as a mean (PyTorch's default). If it sums, pass "
+                "chunks=sm.Chunks(..., reduction='sum')",
             )
 
 
@@ -676,6 +676,18 @@ def _chunked(figures: list[CallFigures], chunks: int, budget: int | None, held: 
         chunks=chunks,
         budget=budget,
         budget_counted=max(counted),
+    )
+
+
+def _described(tree: object) -> str:
+    """``'4x16 float32'``: the tensors of ``tree``, as a message names them."""
+    return (
+        ", ".join(
+            f"{'x'.join(map(str, t.shape)) or 'scalar'} {str(t.dtype).removeprefix('torch.')}"
+            for t in pytree.tree_leaves(tree)
+            if isinstance(t, torch.Tensor)
+        )
+        or "no tensors"
     )
 
 
@@ -749,10 +761,21 @@ class EagerFitStep(Fitted):
         self, part: Chunk, chunks: int, accumulating: bool, recompute: Recompute
     ) -> ChunkNeed:
         rounding = round_for(str(self.device))
-        train = eager_train(
-            self.model, part.inputs, part.targets, self.loss_fn, None, rounding,
-            measure=measures_kernels(str(self.device), None),
-        )  # fmt: skip
+        try:
+            train = eager_train(
+                self.model, part.inputs, part.targets, self.loss_fn, None, rounding,
+                measure=measures_kernels(str(self.device), None),
+            )  # fmt: skip
+        except SharedMemError:
+            raise
+        except RuntimeError as e:  # an op refused its operands (a width the model does not take)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SharedMemError(
+                "sharedmem: fit_eager_step could not estimate a chunk of "
+                f"{_described(part.inputs)} (targets {_described(part.targets)}) before "
+                f"running it: {type(e).__name__}: {first.rstrip('.')}. Eager PyTorch fails "
+                "there too: check the inputs and targets against the model"
+            ) from e
         held = _grad_bytes(self.model, rounding) if accumulating or chunks > 1 else 0
         beside = {
             "forward and backward": train.forward_backward,

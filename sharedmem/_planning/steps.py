@@ -19,8 +19,8 @@ from .._executor import PooledForward, PooledTrainStep
 from .._executor.policy import Recompute
 from .._pool import BufferPool
 from .._validate import check_loss_fn
-from .budget import check_exact, check_max_slowdown
-from .chunking import Splitter, UserSplit
+from .arguments import policy_of
+from .chunking import Chunks
 from .fit import EagerFitStep, ForwardBudget, TrainBudget
 
 __all__ = ["fit_eager_step", "fit_step", "pooled_forward", "pooled_train_step"]
@@ -34,13 +34,9 @@ def pooled_train_step(
     plan: str = "liveness",
     prefix: str = "act.",
     budget: int | str | None = None,
-    chunks: int | None = None,
-    reduction: str | None = None,
-    batch_dim: int = 0,
-    split: UserSplit | None = None,
-    max_slowdown: float | None = None,
-    exact: bool = True,
+    chunks: int | Chunks | None = None,
     recompute: Recompute | None = None,
+    **deprecated: Any,
 ) -> PooledTrainStep:
     """Make a train step that runs ``model`` as an ATen graph with activations in ``pool``.
 
@@ -114,46 +110,63 @@ def pooled_train_step(
     each bucket's all-reduce starts as soon as its gradients are final. Wrappers whose
     communication the step would skip (FSDP, ``DataParallel``) raise ``TypeError``.
 
-    **Fitting a memory budget.** With ``budget=`` (bytes, or ``"free"``) each batch runs as
-    the fewest micro-batches ("chunks", split along ``batch_dim``) whose planned peak fits,
-    chosen from the executor's plan before anything runs (no trial runs) and kept per input
-    signature, so the same budget and shapes always give the same chunks; ``chunks=N`` fixes
-    the count instead. Before chunks, a batch that does not fit as planned is tried in one
-    chunk with convolutions and matrix products computed again where backward reads them
-    (the same ops on the same inputs: bit for bit the unbudgeted step, at the cost of that
-    time). What is recomputed is chosen by a cost model (``sharedmem/_executor/cost.py``: a
-    convolution's or matrix product's time is its flops, any other op's the bytes it moves):
-    the values that cost the least time per byte they free go first, and the least
-    recomputation that fits is taken; ``max_slowdown`` caps the time it may add (modelled).
-    ``step.recompute`` says what the latest choice recomputes (``step.recomputing``: whether
-    it recomputes costly ops), ``step.report()`` and ``plan_summary()`` how much and at what
-    modelled cost. ``exact=False`` accepts chunks'
-    different computation where they are faster: where both recomputation and chunks fit,
-    the same cost model picks the one that adds less time (chunks add a fixed cost per op
-    call and per pass over the weights, recomputation its ops), and ``step.report()`` gives
-    both figures. The gradients of chunks
-    are accumulated into ``p.grad`` exactly: a
-    mean-reduced loss is weighted by each chunk's share of the batch, a sum-reduced one is
-    summed, and the loss returned is the whole batch's. A budget covers what the step holds
-    beyond what was there before it: the pool's buffers, what runs beside the pool and the
-    gradients. ``"free"`` is what the device can give at the start of each batch (on CUDA its
-    free memory, plus the pool's buffers; on ``cpu``/``emulated`` the machine's available
-    memory, plus the pool's); a pool's ``limit`` also caps the pool's buffers. If one example
-    does not fit, ``sm.OutOfMemoryError`` is raised before running, naming the shortfall and
-    the biggest consumers. Batch norm in training mode reads the batch as a whole, so its
-    statistics (and results) differ between chunked and unchunked steps: the first chunked
-    call warns. ``step.chunks_for(inputs, targets)`` and ``step.report()`` say what was chosen.
-    Under DDP the chunks before the last run under ``no_sync()``: one all-reduce per step. A
-    call that fails part way (an error in its third chunk) leaves the gradients of the
-    chunks already run added into ``p.grad``, as eager gradient accumulation over
-    micro-batches would: zero them (``optimizer.zero_grad()``) before running the batch again.
+    **Three questions, three arguments.** A call reads as its job: ``budget=`` (how much
+    memory the step may hold), ``chunks=`` (how a batch is cut into micro-batches: a count,
+    or an ``sm.Chunks`` record with the count, the loss's ``reduction``, the ``batch_dim``,
+    a custom ``split`` and ``exact``) and ``recompute=`` (an ``sm.Recompute``: the most
+    modelled time recomputation may add, one meaning wherever it is given)::
 
-    **The least memory at a stated cost.** ``recompute=sm.Recompute.within(1.3)`` asks for
-    the lowest peak recomputation reaches within that modelled slowdown (at most 30% more
-    time), in one chunk, bit for bit the default step (``sm.Recompute.MOST``: as much as
-    lowers the peak): the same solver a budget uses, with the time given instead of the
-    memory. (``max_slowdown=`` without a budget asked for this before; it still does, with
-    a ``DeprecationWarning``: ``max_slowdown`` is the cap on a budget's choice.)
+        sm.pooled_train_step(model, loss_fn, pool=pool)                      # as traced
+        sm.pooled_train_step(..., recompute=sm.Recompute.within(1.3))        # least memory
+        sm.pooled_train_step(..., budget="2G")                               # fit a budget
+        sm.pooled_train_step(..., budget="2G", recompute=sm.Recompute.within(1.2),
+                             chunks=sm.Chunks(batch_dim=1, exact=False))
+        sm.pooled_train_step(..., chunks=sm.Chunks(4, reduction="sum"))      # fixed chunks
+
+    (The keywords these records hold, ``reduction=``, ``batch_dim=``, ``split=``,
+    ``exact=`` and ``max_slowdown=``, are still taken, with one ``DeprecationWarning``
+    naming the new spelling.)
+
+    **The least memory at a stated cost.** ``recompute=sm.Recompute.within(1.3)`` (without a
+    budget) recomputes all that lowers the peak within that modelled slowdown (at most 30%
+    more time), in one chunk, bit for bit the default step (``sm.Recompute.MOST``: as much
+    as lowers the peak): the same solver a budget uses, with the time given instead of the
+    memory.
+
+    **Fitting a memory budget.** With ``budget=`` (bytes, a size such as ``"2G"``, or
+    ``"free"``) each batch runs as the fewest micro-batches ("chunks", split along the
+    record's ``batch_dim``) whose planned peak fits, chosen from the executor's plan before
+    anything runs (no trial runs) and kept per input signature, so the same budget and
+    shapes always give the same chunks; ``chunks=N`` fixes the count instead. Before
+    chunks, a batch that does not fit as planned is tried in one chunk with convolutions
+    and matrix products computed again where backward reads them (the same ops on the same
+    inputs: bit for bit the unbudgeted step, at the cost of that time). What is recomputed
+    is chosen by a cost model (``sharedmem/_executor/cost.py``: a convolution's or matrix
+    product's time is its flops, any other op's the bytes it moves): the values that cost
+    the least time per byte they free go first, and the least recomputation that fits is
+    taken, within ``recompute=`` where it is given (``Recompute.OFF``: nothing costly,
+    chunks meet the budget; by default as much as lowers the peak). ``step.recompute`` says
+    what the latest choice recomputes (``step.recomputing``: whether it recomputes costly
+    ops), ``step.report()`` and ``plan_summary()`` how much and at what modelled cost.
+    ``chunks=sm.Chunks(exact=False)`` accepts chunks' different computation where they are
+    faster: where both recomputation and chunks fit, the same cost model picks the one that
+    adds less time (chunks add a fixed cost per op call and per pass over the weights,
+    recomputation its ops), and ``step.report()`` gives both figures. The gradients of
+    chunks are accumulated into ``p.grad`` exactly: a mean-reduced loss is weighted by each
+    chunk's share of the batch, a sum-reduced one is summed, and the loss returned is the
+    whole batch's. A budget covers what the step holds beyond what was there before it: the
+    pool's buffers, what runs beside the pool and the gradients. ``"free"`` is what the
+    device can give at the start of each batch (on CUDA its free memory, plus the pool's
+    buffers; on ``cpu``/``emulated`` the machine's available memory, plus the pool's); a
+    pool's ``limit`` also caps the pool's buffers. If one example does not fit,
+    ``sm.OutOfMemoryError`` is raised before running, naming the shortfall and the biggest
+    consumers. Batch norm in training mode reads the batch as a whole, so its statistics
+    (and results) differ between chunked and unchunked steps: the first chunked call warns.
+    ``step.chunks_for(inputs, targets)`` and ``step.report()`` say what was chosen. Under
+    DDP the chunks before the last run under ``no_sync()``: one all-reduce per step. A call
+    that fails part way (an error in its third chunk) leaves the gradients of the chunks
+    already run added into ``p.grad``, as eager gradient accumulation over micro-batches
+    would: zero them (``optimizer.zero_grad()``) before running the batch again.
 
     **Figures a user can check.** ``step.last_call`` holds the latest call's peak, planned
     and measured (the arena it was served from and the most PyTorch's allocator held for it
@@ -169,25 +182,17 @@ def pooled_train_step(
         plan: ``"liveness"`` (intermediates whose lifetimes do not overlap share a buffer) or
             ``"per_node"`` (one buffer per intermediate; for comparison).
         prefix: the pool buffer names' prefix.
-        budget: bytes, or ``"free"``: run each batch in the fewest chunks that fit.
-        chunks: run each batch in this many chunks; a batch with fewer examples runs in one
-            chunk per example, with a warning once per batch shape.
-        reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over the batch, where it
-            does not say (``nn`` losses and ``torch.nn.functional`` losses do); unknown
-            callables are taken as means, with a warning.
-        batch_dim: the batch dimension of every input and target tensor.
-        split: ``split(inputs, targets, chunks)`` returns ``chunks`` tuples ``(inputs,
-            targets[, weight])``, for layouts a plain split cannot cut (padded or packed
-            sequences); a weight is the chunk's share of the batch's loss.
-        max_slowdown: with ``budget``: the most time the recomputation chosen to meet it
-            may add, modelled, as a factor of the step's own (at least 1.0; 1.0: recompute
-            nothing costly, chunks meet the budget).
-        exact: ``True``: a budget is met by the same computation (recomputation) wherever
-            it can be, chunks only below what it reaches; ``False``: by whichever of the two
-            the cost model says is faster (needs ``budget``).
-        recompute: what the step computes again in backward, a ``sm.Recompute``
-            (``Recompute.OFF``, the default; ``Recompute.within(1.3)``; ``Recompute.MOST``);
-            without ``budget`` and ``chunks`` (a budget chooses it per signature).
+        budget: bytes, a size (``"2G"``) or ``"free"``: run each batch in the fewest
+            chunks that fit.
+        chunks: a number of chunks to run each batch in (a batch with fewer examples runs
+            in one chunk per example, with a warning once per batch shape), or an
+            ``sm.Chunks`` record: that count (``None``: the budget's), how the loss reduces,
+            the batch dimension, a custom split, and whether a budget may prefer chunks to
+            recomputation (``exact=False``).
+        recompute: an ``sm.Recompute``, the most modelled time recomputation may add.
+            Without ``budget``: what the step recomputes (``Recompute.OFF``, the default;
+            ``Recompute.within(1.3)``; ``Recompute.MOST``). With ``budget``: the cap on what
+            the budget may choose (default: no cap). Not with a fixed chunk count.
 
     Example::
 
@@ -205,28 +210,19 @@ def pooled_train_step(
         >>> loss.shape, model[0].weight.grad.shape
         (torch.Size([]), torch.Size([8, 4]))
     """
-    slowdown = check_max_slowdown(max_slowdown, chunks)
-    check_exact(exact, budget)
-    policy = check_recompute(recompute, budget, chunks)
-    if budget is None and chunks is None and slowdown is not None:
-        warnings.warn(
-            f"sharedmem: max_slowdown={slowdown} without budget= is deprecated: max_slowdown "
-            "caps the recomputation a budget chooses; for the least memory within a "
-            f"slowdown pass recompute=sm.Recompute.within({slowdown})",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        policy = Recompute.within(slowdown)
-    step = PooledTrainStep(model, loss_fn, pool, plan, prefix, recompute=policy)
-    if budget is not None or chunks is not None:
+    policy = policy_of("pooled_train_step", budget, chunks, recompute, deprecated)
+    fixed = Recompute.OFF if policy.budgeted or policy.recompute is None else policy.recompute
+    step = PooledTrainStep(model, loss_fn, pool, plan, prefix, recompute=fixed)
+    if policy.budgeted:
+        chunking = policy.chunking
         step.budget_policy = TrainBudget(
             step,
-            budget=budget,
-            chunks=chunks,
-            reduction=reduction,
-            splitter=Splitter(batch_dim, split),
-            max_slowdown=slowdown,
-            exact=exact,
+            budget=policy.budget,
+            chunks=policy.fixed,
+            reduction=chunking.reduction,
+            splitter=chunking.splitter,
+            max_slowdown=None if policy.recompute is None else policy.recompute.max_slowdown,
+            exact=chunking.exact,
         )
     return step
 
@@ -239,8 +235,8 @@ def pooled_forward(
     prefix: str = "act.",
     outputs_in_pool: bool = False,
     budget: int | str | None = None,
-    chunks: int | None = None,
-    batch_dim: int = 0,
+    chunks: int | Chunks | None = None,
+    **deprecated: Any,
 ) -> PooledForward:
     """Make a forward that runs ``model`` without autograd, with activations in ``pool``.
 
@@ -268,11 +264,13 @@ def pooled_forward(
         prefix: the pool buffer names' prefix.
         outputs_in_pool: return views into the pool instead of fresh tensors (a chunked
             call returns its joined outputs, fresh).
-        budget: bytes, or ``"free"``: run each batch in the fewest chunks that fit (as in
-            ``pooled_train_step``); the chunks' outputs are joined along ``batch_dim``.
-        chunks: run each batch in this many chunks (one per example at most, as in
-            ``pooled_train_step``).
-        batch_dim: the batch dimension of every input and output tensor.
+        budget: bytes, a size (``"2G"``) or ``"free"``: run each batch in the fewest chunks
+            that fit (as in ``pooled_train_step``); the chunks' outputs are joined along the
+            batch dimension.
+        chunks: a number of chunks to run each batch in (one per example at most, as in
+            ``pooled_train_step``), or ``sm.Chunks(count, batch_dim=...)`` where the batch
+            dimension of the inputs and outputs is not 0 (``batch_dim=``, the old keyword,
+            is deprecated).
 
     Example::
 
@@ -283,10 +281,11 @@ def pooled_forward(
         >>> torch.equal(fwd(x), model(x))
         True
     """
+    policy = policy_of("pooled_forward", budget, chunks, None, deprecated)
     forward = PooledForward(model, pool, plan, prefix, outputs_in_pool)
-    if budget is not None or chunks is not None:
+    if policy.budgeted:
         forward.budget_policy = ForwardBudget(
-            forward, budget=budget, chunks=chunks, splitter=Splitter(batch_dim)
+            forward, budget=policy.budget, chunks=policy.fixed, splitter=policy.chunking.splitter
         )
     return forward
 
@@ -296,10 +295,8 @@ def fit_eager_step(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     *,
     budget: int | str | None = None,
-    chunks: int | None = None,
-    reduction: str | None = None,
-    batch_dim: int = 0,
-    split: UserSplit | None = None,
+    chunks: int | Chunks | None = None,
+    **deprecated: Any,
 ) -> EagerFitStep:
     """Make an eager train step, without a pool, that runs each batch in as many chunks as
     fit a budget.
@@ -318,12 +315,12 @@ def fit_eager_step(
         model: the module, in the mode it trains in.
         loss_fn: ``loss_fn(output, targets)`` returns the scalar loss; ``None``: the
             model's own loss (no targets).
-        budget: bytes, or ``"free"``.
-        chunks: a fixed number of chunks instead of a budget (for reproducible runs); a
-            batch with fewer examples runs in one chunk per example, with a warning.
-        reduction: ``"mean"`` or ``"sum"``, where ``loss_fn`` does not say.
-        batch_dim: the batch dimension of every input and target tensor.
-        split: a custom split, as in ``sm.pooled_train_step``.
+        budget: bytes, a size (``"2G"``) or ``"free"``.
+        chunks: a fixed number of chunks instead of a budget (for reproducible runs; a
+            batch with fewer examples runs in one chunk per example, with a warning), or an
+            ``sm.Chunks`` record: that count (``None``: the budget's), ``reduction`` where
+            ``loss_fn`` does not say, ``batch_dim`` and a custom ``split``, as in
+            ``sm.pooled_train_step`` (the old keywords for these are deprecated).
 
     Example::
 
@@ -338,11 +335,20 @@ def fit_eager_step(
     if not isinstance(model, nn.Module):
         raise TypeError(f"sharedmem: model must be a torch.nn.Module, got {type(model).__name__}")
     check_loss_fn(loss_fn)
-    if budget is None and chunks is None:
-        raise ValueError("sharedmem: fit_eager_step needs budget=... (bytes or 'free') or chunks=N")
-    splitter = Splitter(batch_dim, split)
+    policy = policy_of("fit_eager_step", budget, chunks, None, deprecated)
+    if not policy.budgeted:
+        raise ValueError(
+            "sharedmem: fit_eager_step needs budget=... (bytes, a size such as '8G', or "
+            "'free') or chunks=N"
+        )
+    chunking = policy.chunking
     return EagerFitStep(
-        model, loss_fn, budget=budget, chunks=chunks, reduction=reduction, splitter=splitter
+        model,
+        loss_fn,
+        budget=policy.budget,
+        chunks=policy.fixed,
+        reduction=chunking.reduction,
+        splitter=chunking.splitter,
     )
 
 
@@ -366,22 +372,3 @@ def fit_step(
             stacklevel=2,
         )
     return fit_eager_step(model, loss_fn, **kwargs)
-
-
-def check_recompute(recompute: object, budget: object, chunks: object) -> Recompute:
-    """``recompute`` (``None``: ``Recompute.OFF``); refuse anything but a ``Recompute``, and
-    one given with a budget or a chunk count (they choose it)."""
-    if recompute is None:
-        return Recompute.OFF
-    if not isinstance(recompute, Recompute):
-        raise TypeError(
-            "sharedmem: recompute must be a sharedmem.Recompute (Recompute.OFF, "
-            f"Recompute.within(1.3), Recompute.MOST), got {type(recompute).__name__}"
-        )
-    if recompute != Recompute.OFF and (budget is not None or chunks is not None):
-        raise ValueError(
-            "sharedmem: recompute= fixes what the step computes again; with budget= the "
-            "budget chooses it per signature (cap its time with max_slowdown=), and with "
-            "chunks= nothing is chosen: give one or the other"
-        )
-    return recompute
