@@ -36,7 +36,8 @@ OPTIMIZERS: dict[str, Optimizer] = {
 
 # Where the block is: around the optimizer step alone (the training step eager), or PyTorch's
 # default loop with both in the pool (``zero_grad()``, a training block, an optimizer block).
-MODES = ("optimizer", "loop")
+# ``one``: the training step and the optimizer step in one block.
+MODES = ("optimizer", "loop", "one")
 
 
 def _model() -> nn.Module:
@@ -68,6 +69,11 @@ def _iteration(
 ) -> None:
     x, y = _batch(step)
     opt.zero_grad()  # PyTorch's default: gradients set to None
+    if pool is not None and mode == "one":
+        with pool.step("train", x, y, params=model):
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return
     if pool is not None and mode == "loop":
         with pool.step("train", x, y, params=model):
             nn.functional.cross_entropy(model(x), y).backward()
@@ -110,9 +116,8 @@ def test_an_optimizer_step_in_the_pool_is_exact_and_keeps_its_state_outside_the_
     # The first step makes the state (beside the pool), the second records the steady
     # sequence inside the arena, and every later one replays it.
     assert each[0].get("recorded_calls", 0) == (2 if mode == "loop" else 1)
-    assert each[-1].get("replayed_calls", 0) - each[1].get("replayed_calls", 0) == (
-        6 if mode == "loop" else 3
-    )
+    replayed = each[-1].get("replayed_calls", 0) - each[1].get("replayed_calls", 0)
+    assert replayed == (6 if mode == "loop" else 3)
     assert each[-1].get("diverged_calls", 0) == 0
 
 
