@@ -19,6 +19,12 @@ then ``none``/``present`` alternating, then ``eval`` (batch 2B, no grad) between
 
     python benchmarks/bench_default_loop.py               # ResNet-18 (b8, 64px), hf_gpt2
     python benchmarks/bench_default_loop.py tv_resnet18   # only these
+    python benchmarks/bench_default_loop.py --optimizer   # the optimizer step (ResNet-18)
+    python benchmarks/bench_default_loop.py --optimizer adamw-foreach   # one optimizer
+
+``--optimizer``: the default loop's ``optimizer.step()`` (foreach AdamW, SGD with momentum)
+in a ``pool.step()`` block of its own, beside the pooled training block, against eager and
+against the same loop with the optimizer step outside the pool (``run_optimizer``).
 """
 
 from __future__ import annotations
@@ -195,6 +201,135 @@ def run(name: str, entry_point: str) -> list[dict[str, Any]]:
     return rows
 
 
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True),
+    "sgd-momentum-foreach": lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, foreach=True),
+}
+
+
+def run_optimizer(name: str, optimizer: str, steps: int = 6) -> list[dict[str, Any]]:
+    """The default loop's optimizer step, call by call: eager; with the training step in the
+    pool and ``optimizer.step()`` outside it (``outside``); and in a block of its own
+    (``pooled``). Peaks by DESIGN §8 as the rows above (the gradients the training block left
+    in the arena held at the call's start are subtracted, as eager holds them outside its
+    measure); ``served``: the optimizer call's share of allocation bytes from the arena;
+    ``loop``: the whole iteration's peak (training, optimizer, ``zero_grad()``) with the
+    optimizer pooled over eager's, and ``loop_out`` with it outside. Each row is two
+    iterations: one measured whole, then one measured call by call (the first row's whole
+    iteration holds the step that makes the optimizer's state)."""
+    from sharedmem._routing import native
+
+    model, inputs, targets, loss_fn = build(name)
+    model.train()
+    models = {w: copy.deepcopy(model) for w in ("eager", "outside", "pooled")}
+    optims = {w: OPTIMIZERS[optimizer](m.parameters()) for w, m in models.items()}
+    pools = {w: sm.BufferPool("cpu") for w in ("outside", "pooled")}
+    rows = []
+    in_arena = 0
+    for _ in range(steps):
+        figures: dict[str, float] = {}
+        for which, m in models.items():
+            opt, pool = optims[which], pools.get(which)
+
+            def train(m: torch.nn.Module = m, pool: sm.BufferPool | None = pool) -> None:
+                if pool is None:
+                    _loss(_call(m, inputs), targets, loss_fn).backward()
+                else:
+                    with pool.step("train", inputs, targets, **grads_of(m)):
+                        _loss(_call(m, inputs), targets, loss_fn).backward()
+
+            def step(opt: torch.optim.Optimizer = opt, which: str = which) -> None:
+                if which == "pooled":
+                    with pools["pooled"].step("optimizer"):
+                        opt.step()
+                else:
+                    opt.step()
+
+            def iteration(train: Callable[[], None] = train, step: Callable[[], None] = step,
+                          opt: torch.optim.Optimizer = opt) -> None:  # fmt: skip
+                train()
+                step()
+                opt.zero_grad()
+
+            torch.manual_seed(1)
+            loop, _ = allocator_events(iteration)
+            figures[f"loop_{which}"] = loop + (
+                0 if pool is None else pool.stats()["reserved_bytes"]
+            )
+            torch.manual_seed(1)
+            train()
+            held = 0 if pool is None else _held(pool)
+            before = {} if pool is None else pool.stats()
+            peak, made = allocator_events(step)
+            if pool is not None:
+                after = pool.stats()
+                peak += after["reserved_bytes"] - held
+                served = after.get("arena_served_bytes", 0) - before.get("arena_served_bytes", 0)
+                if which == "pooled":
+                    figures["served"] = served / (served + made) if served + made else 1.0
+                    base = pool.arenas.base("act.0")
+                    spans = [] if base is None else native().live_ranges(base)
+                    for state in opt.state.values():
+                        for t in state.values():
+                            if isinstance(t, torch.Tensor) and base is not None:
+                                at = t.data_ptr() - base
+                                in_arena += any(lo <= at < hi for lo, hi in spans)
+            figures[which] = peak
+            opt.zero_grad()
+        rows.append(
+            {
+                "eager": figures["eager"],
+                "outside": figures["outside"],
+                "pooled": figures["pooled"],
+                "peak": figures["pooled"] / figures["eager"],
+                "peak_out": figures["outside"] / figures["eager"],
+                "served": figures["served"],
+                "loop": figures["loop_pooled"] / figures["loop_eager"],
+                "loop_out": figures["loop_outside"] / figures["loop_eager"],
+            }
+        )
+    exact = all(
+        torch.equal(a, b) and torch.equal(a, c)
+        for a, b, c in zip(*(m.parameters() for m in models.values()), strict=True)
+    )
+    stats = pools["pooled"].stats()
+    print(
+        f"{name}, {optimizer} in pool.step(): bit-exact {exact}; state tensors in the arena "
+        f"{in_arena}; recorded {stats.get('recorded_calls', 0)}, replayed "
+        f"{stats.get('replayed_calls', 0)}, diverged {stats.get('diverged_calls', 0)}, "
+        f"reserved {stats['reserved_bytes']:,} (training outside: "
+        f"{pools['outside'].stats()['reserved_bytes']:,})"
+    )
+    return rows
+
+
+def main_optimizer(args: list[str]) -> None:
+    names = [a for a in args if a not in OPTIMIZERS]
+    for name in names or ["tv_resnet18"]:
+        for optimizer in [a for a in args if a in OPTIMIZERS] or OPTIMIZERS:
+            rows = run_optimizer(name, optimizer)
+            print(
+                f"{'call':>4} {'eager':>12} {'outside':>12} {'pooled':>12} {'peak':>6} "
+                f"{'out':>6} {'served':>7} {'loop':>6} {'loop_out':>8}"
+            )
+            for i, r in enumerate(rows):
+                print(
+                    f"{i:4} {r['eager']:12,} {r['outside']:12,} {r['pooled']:12,} "
+                    f"{r['peak']:6.3f} {r['peak_out']:6.3f} {r['served']:7.1%} "
+                    f"{r['loop']:6.3f} {r['loop_out']:8.3f}"
+                )
+            steady = rows[2:]
+            print(
+                f"{name}, {optimizer}: steady optimizer calls: served median "
+                f"{statistics.median(r['served'] for r in steady):.1%}; peak/eager max "
+                f"{max(r['peak'] for r in steady):.3f} (outside the pool "
+                f"{max(r['peak_out'] for r in steady):.3f}); iteration peak/eager max "
+                f"{max(r['loop'] for r in steady):.3f} "
+                f"(outside {max(r['loop_out'] for r in steady):.3f})",
+                flush=True,
+            )
+
+
 def main(names: list[str]) -> None:
     for name in names or ["tv_resnet18", "hf_gpt2"]:
         for entry_point in ("pool.step", "pooled_train_step"):
@@ -216,4 +351,7 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if "--optimizer" in sys.argv:
+        main_optimizer([a for a in sys.argv[1:] if a != "--optimizer"])
+    else:
+        main(sys.argv[1:])

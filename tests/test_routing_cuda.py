@@ -124,6 +124,26 @@ class TestServedFromTheArena:
         first.free()
         grad.free()
 
+    def test_a_scope_set_aside_leaves_its_streams_allocations_upstream_until_put_back(
+        self, cuda_sim: Any
+    ) -> None:
+        # What an optimizer step that makes its state runs in (``_routing/optimizer.py``).
+        from sharedmem._routing.route import _scopes
+
+        allocator, pool, route, arena = _recorded(cuda_sim)
+        with route.scope():
+            scopes = _scopes(pool)
+            token = scopes.suspend()
+            assert token and not scopes.active()
+            state = allocator.allocate(40_000)
+            scopes.resume(token)
+            assert scopes.active()
+            grad = _step(allocator)
+        assert not _inside(state, arena) and _inside(grad, arena)
+        assert route.last["served_bytes"] == 178_192 and route.last["diverged_at"] == -1
+        for block in (state, grad):
+            block.free()
+
     def test_allocations_on_other_streams_and_outside_a_scope_are_never_the_arenas(
         self, cuda_sim: Any
     ) -> None:

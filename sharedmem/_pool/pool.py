@@ -410,7 +410,11 @@ class BufferPool:
         the same block runs next (a gradient kept by ``zero_grad(set_to_none=False)``, a loss
         kept in a list) is left to PyTorch's allocator from then on; a block that runs while
         such tensors are held (an evaluation before ``zero_grad()``) is planned around them,
-        once. Any allocation of another thread is PyTorch's as usual. A run that does
+        once. An ``optimizer.step()`` in the block that makes the optimizer's state (its
+        first step, or a parameter's first gradient) runs as without the pool, so that the
+        state, which lives across steps, is never in the arena; the temporaries of its later
+        steps are served, and around gradients held in the arena its plan may grow the arena
+        (docs/step.md). Any allocation of another thread is PyTorch's as usual. A run that does
         something else (another sequence) is served by PyTorch from there on and recorded
         anew: results are always those of the same code without the block. On ``cuda``
         pools, and where the router cannot be built, the block runs as it is.

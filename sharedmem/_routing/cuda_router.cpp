@@ -138,6 +138,28 @@ std::map<std::string, int64_t> end_replay(int device, uintptr_t stream) {
   return g_state.replayed(*close_scope({device, stream}, false));
 }
 
+// The stream's scope set aside (0: none), and put back: what runs between is not the step's
+// (an optimizer step that makes the state it keeps across steps).
+uintptr_t suspend(int device, uintptr_t stream) {
+  std::lock_guard<std::mutex> lock(g_scopes_mutex);
+  auto it = g_scopes.find(StreamKey{device, stream});
+  if (it == g_scopes.end()) return 0;
+  Scope* scope = it->second;
+  g_scopes.erase(it);
+  g_open.fetch_sub(1, std::memory_order_release);
+  return reinterpret_cast<uintptr_t>(scope);
+}
+
+void resume(int device, uintptr_t stream, uintptr_t scope) {
+  if (scope == 0) return;
+  std::lock_guard<std::mutex> lock(g_scopes_mutex);
+  StreamKey key{device, stream};
+  TORCH_CHECK(g_scopes.count(key) == 0,
+              "sharedmem: a step's scope was opened on this stream while one was set aside");
+  g_scopes[key] = reinterpret_cast<Scope*>(scope);
+  g_open.fetch_add(1, std::memory_order_release);
+}
+
 bool active(int device, uintptr_t stream) {
   std::lock_guard<std::mutex> lock(g_scopes_mutex);
   return g_scopes.count(StreamKey{device, stream}) != 0;
@@ -176,6 +198,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("owner") = pybind11::none());
   m.def("end_replay", &end_replay);
   m.def("active", &active);
+  m.def("suspend", &suspend);
+  m.def("resume", &resume);
   m.def("live_bytes", &live_bytes);
   m.def("live_ranges", &live_ranges);
   // The allocator's two calls as PyTorch makes them, for the tests (same code, no C ABI).

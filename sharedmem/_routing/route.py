@@ -21,6 +21,9 @@ outliving allocations the user frees before its next call. One still held when t
 call of the same signature begins (a gradient kept by ``zero_grad(set_to_none=False)``, a
 loss appended to a list) is left to PyTorch in the plans after that.
 
+An optimizer's state is neither: the step that makes it runs with the scope set aside
+(``optimizer``), and the call after it records the steady sequence.
+
 Plans are kept per set of fences (a few): a loop whose evaluation runs while the gradients
 of its training step are held plans the evaluation once around them, and one that evaluates
 after ``zero_grad()`` plans it once over the whole arena. When another route grows the arena
@@ -52,6 +55,7 @@ import torch
 
 from .._backends import cuda_torch_ops
 from .._errors import OutOfMemoryError
+from . import optimizer
 from .cuda_native import cuda_router
 from .host import ArenaHost
 from .native import loaded, native, would_load
@@ -127,6 +131,9 @@ class Route:
         self._kept: dict[tuple[int, int], int] = {}  # the latest call's outliving arena ranges
         self._lock = threading.Lock()  # guards the plans: threads may run one route at once
         self.last_peak: CallPeak | None = None  # the latest call's, as the router saw it
+        # An optimizer steps in the block: the gradients it finds held are its steady state
+        # (every call reads them), not a passing one, so its plans may grow the arena.
+        self.optimizer = False
 
     @contextmanager
     def scope(self) -> Iterator[None]:
@@ -152,12 +159,21 @@ class Route:
                 else:  # the router keeps the view's memory while a tensor lives in it
                     router.begin_record(room.data_ptr(), room.numel(), room)
                 completed = False
+                frame = optimizer.enter(router)
                 try:
                     yield
                     completed = True
                 finally:
+                    optimizer.leave(frame)
                     recording = Recording(*router.end_record())
-                self._recorded(recording, lane, fences, adopt=completed and planned is None)
+                self.optimizer |= frame.stepped
+                # A call in which an optimizer made its state (set aside: PyTorch's) is not
+                # the block's steady sequence: the next call records it.
+                adopt = completed and planned is None and not frame.suspended
+                self._recorded(recording, lane, fences, adopt=adopt)
+                if frame.suspended:
+                    with self._lock:
+                        self._redo = self.recording is not None
                 # The arena held through the call (what it served of the call inside it),
                 # then grown after it, beside what PyTorch served and still holds.
                 after = self._host.device_capacity(lane)
@@ -166,9 +182,11 @@ class Route:
                 self.last_peak = CallPeak(after, peak - after, True, True)
                 return
             router.begin_replay(planned.native, *place)
+            frame = optimizer.enter(router)
             try:
                 yield
             finally:
+                optimizer.leave(frame)
                 counts = router.end_replay()
                 on_plan = counts["diverged_at"] < 0
                 beside = planned.plan.beside_peak + (0 if on_plan else counts["fell_back_bytes"])
@@ -177,6 +195,8 @@ class Route:
                 self.last_peak = CallPeak(arena, beside, False, on_plan)
                 with self._lock:
                     self._account(counts, planned.plan)
+                    if frame.suspended:
+                        self._redo = True
         finally:
             arenas.give_back(lane)
 
@@ -204,8 +224,11 @@ class Route:
             # step's peak): bytes the user holds there (gradients during accumulation or an
             # evaluation) are a passing state, and an arena grown for it would stay above
             # what the other states need. Another route's growth only makes the plan again
-            # for the arena as it is, so steady state is steady.
-            planned = self._adopt(self.recording, lane, fences, grow=planned is None and not fences)
+            # for the arena as it is, so steady state is steady. An optimizer's block grows
+            # it around the gradients: they are held at every call of it, and its peak is
+            # theirs plus its temporaries, as without the pool.
+            grow = planned is None and (not fences or self.optimizer)
+            planned = self._adopt(self.recording, lane, fences, grow=grow)
             self._host.count("replanned_calls", 1)
         else:
             self._plans.move_to_end(fences)
@@ -271,7 +294,8 @@ class Route:
                 self._redo = False
                 self._held = set()
                 self._plans.clear()
-                self.plan = self._adopt(recording, lane, fences, grow=not fences).plan
+                grow = not fences or self.optimizer
+                self.plan = self._adopt(recording, lane, fences, grow=grow).plan
 
     def derive(self, recording: Recording) -> None:
         """Plan ``recording``, a sequence derived rather than recorded (another size of a
@@ -494,6 +518,12 @@ class _StreamScopes:
 
     def end_replay(self) -> dict[str, int]:
         return dict(self._module.end_replay(*self._key))
+
+    def suspend(self) -> int:
+        return int(self._module.suspend(*self._key))
+
+    def resume(self, scope: int) -> None:
+        self._module.resume(*self._key, scope)
 
     def live_bytes(self, base: int) -> int:
         return int(self._module.live_bytes(base))
