@@ -343,3 +343,15 @@ def test_bad_sharding_arguments_are_refused_naming_the_fix(
 ) -> None:
     with pytest.raises(error, match="^sharedmem: .*" + match):
         sm.estimate(_Blocks(), torch.randn(4, 8), **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_estimate_command_gives_one_ranks_figures_under_fsdp2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from sharedmem._cli import main
+
+    args = ["estimate", "torch.nn:Linear", "--arg", "16", "--arg", "4", "--input", "8x16"]
+    assert main([*args, "--world-size", "2"]) == 0
+    assert "sharded with fully_shard over 2 ranks" in capsys.readouterr().out
+    assert main([*args, "--world-size", "0"]) == 2
+    assert "world_size must be a positive int" in capsys.readouterr().err
