@@ -63,10 +63,19 @@ def allocator_peak(step: Callable[[], object]) -> int:
     return peak
 
 
+def _uneven() -> nn.Module:
+    model = nn.Sequential(
+        nn.Linear(33, 301), nn.ReLU(), nn.Linear(301, 7), nn.LayerNorm(7), nn.Linear(7, 5)
+    )
+    model[3].requires_grad_(False)  # a frozen unit: gathered, never reduced
+    model[2].bias.requires_grad_(False)  # a frozen parameter beside a trainable one
+    return model
+
+
 def _models() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor, ...]]]]:
     # An MLP whose middle layer dominates (the all-gather and reduce-scatter buffers set the
     # peak), one whose first dimensions the world size does not divide (padded shards and
-    # padded gradient copies) with a layer norm, a conv net with batch-norm buffers (not
+    # padded gradient copies) with frozen parameters, a conv net with batch-norm buffers (not
     # sharded) whose activations set the peak.
     return {
         "mlp": (
@@ -75,12 +84,7 @@ def _models() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[tor
             ),
             lambda: (torch.randn(32, 64), torch.randn(32, 10)),
         ),
-        "uneven": (
-            lambda: nn.Sequential(
-                nn.Linear(33, 301), nn.ReLU(), nn.Linear(301, 7), nn.LayerNorm(7), nn.Linear(7, 5)
-            ),
-            lambda: (torch.randn(16, 33), torch.randn(16, 5)),
-        ),
+        "uneven": (_uneven, lambda: (torch.randn(16, 33), torch.randn(16, 5))),
         "conv": (
             lambda: nn.Sequential(
                 nn.Conv2d(3, 16, 3, padding=1),
@@ -159,7 +163,9 @@ def sharded_estimate_bounds_the_measured_peak(rank: int, world: int) -> None:
         held = {
             "parameters": _storages([_local(p) for p in model.parameters()])
             + _storages(list(model.buffers())),
-            "gradients": _storages([_local(p.grad) for p in model.parameters()]),
+            "gradients": _storages(
+                [_local(p.grad) for p in model.parameters() if p.grad is not None]
+            ),
             "optimizer_state": _storages(
                 [_local(v) for state in opt.state.values() for v in state.values()]
             ),

@@ -107,14 +107,11 @@ class _Unit:
         shards = [_numel(_padded(params[n], world)) * params[n].element_size() for n in names]
         self.per_param = [world * s for s in shards]  # one all-gather output per parameter
         self.unsharded = sum(self.per_param)  # the flat all-gather output, the RS input
-        self.sharded = sum(shards)  # the reduce-scatter output: the sharded gradients
+        self.shards = dict(zip(names, shards, strict=True))
         # A gradient whose first dimension the world size does not divide is padded by a copy
         # while it is copied into the reduce-scatter input.
-        self.padded = [
-            world * s
-            for n, s in zip(names, shards, strict=True)
-            if params[n].dim() == 0 or params[n].shape[0] % world
-        ]
+        self.uneven = {n for n in names if params[n].dim() == 0 or params[n].shape[0] % world}
+        self.world = world
         self.gathered = False
         self.deferred = True  # post-backward at the end of backward (no input needs a grad)
         self.post_forward: list[int] = []
@@ -127,7 +124,7 @@ class _Simulation:
         self,
         live: LiveBytes,
         units: list[_Unit],
-        grads_of: Callable[[_Unit], list[torch.Tensor]],
+        grads_of: Callable[[_Unit], _Freeing],
         rounding: Callable[[int], int],
         copies: bool,
     ) -> None:
@@ -136,6 +133,7 @@ class _Simulation:
         self.order: list[_Unit] = []  # post-forward order, for the backward prefetch
         self.reduce_input = 0  # the reduce-scatter input FSDP2 holds until the next one
         self.held = 0  # the last flat all-gather output of the forward, held
+        self.sharded_grads = 0  # the reduce-scatter outputs made
         self.gathered = 0
         self.most_gathered = 0
         self.backward_started: set[int] = set()
@@ -191,12 +189,18 @@ class _Simulation:
         self.reduce_input = 0
         if not grads:
             return
-        self.reduce_input = self.rounding(unit.unsharded)
+        # Only the parameters with a gradient are reduced (frozen ones are not).
+        shards = [unit.shards[n] for n in grads.names]
+        self.reduce_input = self.rounding(unit.world * sum(shards))
         self.add(self.reduce_input)
-        padding = sum(self.rounding(n) for n in unit.padded)
+        padding = sum(
+            self.rounding(unit.world * unit.shards[n]) for n in grads.names if n in unit.uneven
+        )
         self.live.peak = max(self.live.peak, self.live.live + padding)
         grads.clear()  # copied in: the unsharded gradients are freed (the caller's .grad)
-        self.add(self.rounding(unit.sharded))  # the sharded gradients, kept
+        output = self.rounding(sum(shards))
+        self.add(output)  # the sharded gradients, kept
+        self.sharded_grads += output
         if self.copies:
             self.live.peak = max(self.live.peak, self.live.live + self.reduce_input)
 
@@ -269,9 +273,9 @@ def sharded_train(
         static = {id(t.untyped_storage()) for t in existing}
         live = LiveBytes(rounding, existing, measure=measure)
 
-        def grads_of(unit: _Unit) -> list[torch.Tensor]:
-            held = [state[n] for n in unit.names if state[n].grad is not None]
-            return _Freeing(held)
+        def grads_of(unit: _Unit) -> _Freeing:
+            names = [n for n in unit.names if state[n].grad is not None]
+            return _Freeing([state[n] for n in names], names)
 
         sim = _Simulation(live, list(sim_units.values()), grads_of, rounding, gloo)
         saved: dict[int, int] = {}
@@ -305,7 +309,7 @@ def sharded_train(
             for n, p in params.items()
         }
         trainable = [n for n, p in params.items() if p.requires_grad]
-        result.gradients = sum(rounding(u.sharded) for u in sim_units.values() if u.names)
+        result.gradients = sim.sharded_grads
         if optimizer is not None:
             grads = tuple(torch.zeros_like(shards[n]) for n in trainable)
             result.optimizer_state, result.step_temporaries = _optimizer_bytes(
@@ -319,6 +323,10 @@ def sharded_train(
 class _Freeing(list[torch.Tensor]):
     """The gradients FSDP2 takes from a unit's unsharded parameters: clearing the list sets
     each ``.grad`` to ``None``, so the count frees them when FSDP2 does."""
+
+    def __init__(self, tensors: list[torch.Tensor], names: list[str]) -> None:
+        super().__init__(tensors)
+        self.names = names
 
     def clear(self) -> None:
         for t in self:
