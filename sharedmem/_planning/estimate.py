@@ -12,6 +12,7 @@ estimate changes nothing in the process.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -370,7 +371,8 @@ def _fsdp_units(model: nn.Module, world_size: object, units: Sequence[str] | Non
     Refuses what a sharded estimate cannot take, naming the fix."""
     from .._executor.fsdp import fsdp_modules
 
-    if fsdp_modules(model):
+    # Only where FSDP2 was imported can the model be sharded by it (importing it costs seconds).
+    if "torch.distributed.fsdp" in sys.modules and fsdp_modules(model):
         raise TypeError(
             "sharedmem: estimate a model before fully_shard is applied to it: pass the plain "
             "model with world_size=N (and fsdp_units= the modules you shard) for one rank's "
