@@ -8,15 +8,18 @@ eagerly (``zero_grad``, forward, ``backward``, which all-reduces as DDP does), t
 the pooled graph traced). Time is the slower rank's median per step.
 
 Memory per rank is DESIGN §8's measure: the peak of the allocator's running sum over one step
-relative to its start, with gradients set to ``None`` first, plus the bytes held across steps
-that the step needs: for eager DDP its reducer's gradient buckets (the parameters' bytes,
-allocated outside the step), for the pooled step the pool's ``reserved_bytes`` (activation
-slots and the same buckets).
+relative to its start, with gradients set to ``None`` before it (not inside it), plus the
+bytes held across steps that the step needs: for eager DDP its reducer's gradient buckets (the
+parameters' bytes, allocated outside the step), for the pooled step the pool's
+``reserved_bytes`` (activation slots and the same buckets).
 
 FSDP2: the same models sharded with ``fully_shard`` (each child with parameters, then the
 root), prepared by ``sm.prepare_fsdp``, their eager step inside ``pool.step()`` against the
 same step of eager FSDP2; memory as above, the pooled step's plus the pool's ``reserved_bytes``
 (its arena), and the share of the step's dying bytes the arena served per call.
+
+Before sharding anything, ``sm.estimate(..., world_size=2)`` says what each rank's eager FSDP2
+step needs (rank 0's shards, the largest): its step peak against the measured one.
 
 Models: the MLP and the ResNet-style CNN of ``bench_step_memory``, float32 on CPU.
 Target (DESIGN §7): pooled DDP step time <= 1.05x eager DDP on 2 CPU ranks; FSDP2's per-rank
@@ -114,15 +117,18 @@ def _measure(rank: int, name: str, quick: bool) -> dict[str, float]:
     }
 
 
-def _sharded(make: Callable[[], nn.Module], mesh: object) -> nn.Module:
+def _units(model: nn.Module) -> list[str]:
     # As torchtitan shards: each child with parameters, then the root.
+    return [name for name, child in model.named_children() if any(True for _ in child.parameters())]
+
+
+def _sharded(make: Callable[[], nn.Module], mesh: object) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = make()
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)  # type: ignore[arg-type]
+    for unit in _units(model):
+        fully_shard(model.get_submodule(unit), mesh=mesh)  # type: ignore[arg-type]
     fully_shard(model, mesh=mesh)  # type: ignore[arg-type]
     return model
 
@@ -137,6 +143,13 @@ def _measure_fsdp(rank: int, name: str, quick: bool) -> dict[str, float]:
     torch.manual_seed(rank)  # every rank its own batch
     x, y = data(16 if quick else 32)
     loss_fn = nn.functional.cross_entropy
+    # What sm.estimate says of this rank's eager FSDP2 step before sharding anything.
+    plain = make()
+    estimated = sm.estimate(
+        plain, x, y, loss_fn=loss_fn, world_size=WORLD, fsdp_units=_units(plain),
+        measure_kernels=True,
+    ).sharded  # fmt: skip
+    assert estimated is not None
     pool = sm.BufferPool("cpu")
 
     def eager_step() -> None:
@@ -150,11 +163,25 @@ def _measure_fsdp(rank: int, name: str, quick: bool) -> dict[str, float]:
 
     rounds, number = (5, 3) if quick else (21, 5)
     times = interleaved({"eager": eager_step, "pooled": pooled_step}, rounds=rounds, number=number)
+
     # The least of three: gloo's worker thread frees its copies of a collective's buffers when
-    # it drops the work, so a step's peak varies by how the threads ran (in both steps).
-    eager_peak = min(allocator_peak(eager_step) for _ in range(3))
-    pooled_peak = min(allocator_peak(pooled_step) for _ in range(3))
-    pooled_peak += pool.stats()["reserved_bytes"]
+    # it drops the work, so a step's peak varies by how the threads ran (in both steps). The
+    # gradients set to None before, outside the measured step, as for DDP above: freed inside
+    # it, the previous step's sharded gradients would lower the figure by their bytes.
+    def peak(model: nn.Module, step: Callable[[], None]) -> int:
+        peaks = []
+        for _ in range(3):
+            model.zero_grad()
+            peaks.append(allocator_peak(step))
+        return min(peaks)
+
+    eager_peak = peak(eager, lambda: loss_fn(eager(x), y).backward())
+
+    def pooled_backward() -> None:
+        with pool.step("train", x, y):
+            loss_fn(pooled(x), y).backward()
+
+    pooled_peak = peak(pooled, pooled_backward) + pool.stats()["reserved_bytes"]
     stats = pool.stats()
     calls = max(stats.get("replayed_calls", 0), 1)
     return {
@@ -165,6 +192,7 @@ def _measure_fsdp(rank: int, name: str, quick: bool) -> dict[str, float]:
         "served": stats.get("arena_served_bytes", 0) / calls,
         "beside": stats.get("arena_fallback_bytes", 0) / calls,
         "diverged": stats.get("diverged_calls", 0),
+        "estimated_peak": estimated.step_peak,
     }
 
 
@@ -206,6 +234,19 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
         rows += _rows(
             ranks, f"fsdp-{name}", f"{name} FSDP2", "eager FSDP2", _served, " in pool.step()"
         )
+    for name in MODELS:
+        for rank, figures in enumerate(ranks):
+            f = figures[f"fsdp-{name}"]
+            rows.append(
+                row(
+                    f"{name} FSDP2 step peak estimated before sharding, rank {rank}",
+                    f["estimated_peak"],
+                    "B",
+                    baseline=f["eager_peak"],
+                    target="within 1% under, 3% over eager FSDP2's",
+                    ok=0.99 * f["eager_peak"] <= f["estimated_peak"] <= 1.03 * f["eager_peak"],
+                )
+            )
     return rows
 
 

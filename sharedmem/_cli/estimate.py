@@ -219,6 +219,7 @@ def _run(args: argparse.Namespace) -> int:
             optimizer=optimizer,
             device=args.device,
             measure_kernels=True,
+            world_size=args.world_size,
         )
     except SharedMemError:
         raise
@@ -314,6 +315,14 @@ def add_estimate_command(commands: Any) -> None:
     add("--optimizer", choices=_OPTIMIZERS, default="adamw", help="the optimizer")
     add("--device", default="cpu", help="the device the figures are for (cuda needs no GPU)")
     add("--dtype", choices=list(_DTYPES), default="float32", help="parameters and input")
+    add(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also one rank's memory with the model sharded by FSDP2 over N ranks (fully_shard "
+        "on each child holding parameters, then the model)",
+    )
     add(
         "--budget",
         type=_byte_option("--budget"),
