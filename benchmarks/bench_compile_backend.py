@@ -3,7 +3,8 @@
 ``pool.step()`` around the eager step (today's routed block).
 
 Per model, a train step is the model's forward and loss (compiled as one function) and the
-backward, gradients ``None`` at its start (``zero_grad()``, PyTorch's default loop):
+backward, gradients ``None`` at its start (``zero_grad()``, PyTorch's default loop), or
+present (``--grads present``: zeroed in place, as in accumulation):
 
 - bit-exact: every gradient of a seeded step equal to eager's, for ``aot_eager`` and ours;
 - served: the share of the compiled graphs' dying allocations served from the arena (the
@@ -39,11 +40,19 @@ import sharedmem as sm
 from sharedmem._compile import compile_backend
 from sharedmem.testing import allocator_peak
 
+# The partition functions compared: torch.compile's, the default one, and the project's
+# recomputation by cost (cheap ops only; as much as lowers the peak).
+PARTITIONS: dict[str, Any] = {
+    "min_cut": "min_cut",
+    "default": "default",
+    "recompute": sm.Recompute.OFF,
+    "recompute-most": sm.Recompute.MOST,
+}
 DEFAULT_MODELS = ("tv_resnet18", "timm_vit_tiny_patch16_224", "hf_gpt2", "hf_bert")
 
 
 def measure(
-    name: str, build: Callable[[], Any], partition: str, span: str, reps: int
+    name: str, build: Callable[[], Any], partition: str, span: str, reps: int, present: bool
 ) -> dict[str, Any]:
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -51,7 +60,7 @@ def measure(
     model.train()
     pool = sm.BufferPool("cpu")
     block_pool = sm.BufferPool("cpu")
-    backend = compile_backend(pool, partition=partition, span=span)  # type: ignore[arg-type]
+    backend = compile_backend(pool, partition=PARTITIONS[partition], span=span)  # type: ignore[arg-type]
 
     def forward_loss(inputs: Any, targets: Any) -> torch.Tensor:
         return _loss(_call(model, inputs), targets, loss_fn)
@@ -73,10 +82,14 @@ def measure(
             eager()
 
     runs = {"eager": eager, "aot_eager": aot, "ours": ours, "pool.step": block}
+
+    def fresh() -> None:
+        model.zero_grad(set_to_none=not present)
+
     compile_s = {}
     for label, run in runs.items():  # warm up: compile, record, plan, replay
         for i in range(3):
-            model.zero_grad()
+            fresh()
             start = time.perf_counter()
             run()
             if i == 0:
@@ -85,7 +98,7 @@ def measure(
     grads: dict[str, list[torch.Tensor | None]] = {}
     peaks: dict[str, int] = {}
     for label, run in runs.items():
-        model.zero_grad()
+        fresh()
         torch.manual_seed(1)  # the same dropout masks for all
         peaks[label] = allocator_peak(run)
         if label == "ours":
@@ -103,7 +116,7 @@ def measure(
     times: dict[str, list[float]] = {label: [] for label in runs}
     for _ in range(reps):
         for label, run in runs.items():
-            model.zero_grad()
+            fresh()
             start = time.perf_counter()
             run()
             times[label].append(time.perf_counter() - start)
@@ -164,21 +177,32 @@ def line(r: dict[str, Any]) -> str:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS))
-    parser.add_argument("--partition", choices=("min_cut", "default"), default="min_cut")
+    parser.add_argument("--partition", choices=tuple(PARTITIONS), default="min_cut")
     parser.add_argument("--span", choices=("step", "graph"), default="step")
+    parser.add_argument("--grads", choices=("none", "present"), default="none")
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args(argv)
     entries = {m.name: m for m in zoo()}
     for zoo_name, why in skipped().items():
         print(f"skipped {zoo_name}: {why}")
-    print(f"partition: {args.partition}; span: {args.span}; gradients None at each step's start")
+    print(
+        f"partition: {args.partition}; span: {args.span}; "
+        f"gradients {args.grads} at each step's start"
+    )
     print(HEADER, flush=True)
     for name in args.models:
         if name not in entries:
             print(f"{name:28} not in the zoo here")
             continue
         try:
-            row = measure(name, entries[name].build, args.partition, args.span, args.reps)
+            row = measure(
+                name,
+                entries[name].build,
+                args.partition,
+                args.span,
+                args.reps,
+                present=args.grads == "present",
+            )
         except Exception as error:  # one model's failure is a line, not the end of the run
             print(f"{name:28} failed: {type(error).__name__}: {str(error)[:300]}")
             continue

@@ -127,12 +127,15 @@ def test_training_equals_eager_and_the_arena_serves(
     assert "act.0" in pool.names()
 
 
-def test_default_partition_equals_eager() -> None:
+@pytest.mark.parametrize(
+    "partition", ["default", sm.Recompute.MOST], ids=["default", "recompute-most"]
+)
+def test_other_partitions_equal_eager(partition: str | sm.Recompute) -> None:
     torch.manual_seed(0)
     pool = sm.BufferPool("cpu")
     model = Block()
     twin = copy.deepcopy(model)
-    backend = compile_backend(pool, partition="default")
+    backend = compile_backend(pool, partition=partition)  # type: ignore[arg-type]
     compiled = torch.compile(twin, backend=backend)
     for i in range(3):
         x = torch.randn(2, 10, 32)

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 from torch.fx import GraphModule
 
+from .._executor.policy import Recompute
 from .._pool import BufferPool
 from .._routing import Route, routes_on
 from .._validate import check_name
@@ -189,7 +190,7 @@ class PoolBackend:
         self,
         pool: BufferPool,
         *,
-        partition: Partition | Callable[..., Any] = "min_cut",
+        partition: Partition | Recompute | Callable[..., Any] = "min_cut",
         span: Span = "step",
         arena: str = "act.0",
         name: str = "compiled",
@@ -201,10 +202,11 @@ class PoolBackend:
                 f"sharedmem: compile_backend takes a BufferPool, got {type(pool).__name__}; "
                 "make one with sm.BufferPool('cpu')"
             )
-        if not callable(partition) and partition not in PARTITIONS:
+        if not (callable(partition) or isinstance(partition, Recompute) or partition in PARTITIONS):
             raise ValueError(
-                f"sharedmem: partition must be one of {PARTITIONS} or a partition function "
-                f"(joint graph -> forward and backward graphs), got {partition!r}"
+                f"sharedmem: partition must be one of {PARTITIONS}, a sm.Recompute policy "
+                "or a partition function (joint graph -> forward and backward graphs), "
+                f"got {partition!r}"
             )
         check_name(arena, "arena name")
         check_name(name, "backend name")
@@ -259,21 +261,38 @@ class PoolBackend:
         }
 
 
-def _partition_fn(partition: Partition | Callable[..., Any]) -> Callable[..., Any]:
-    if callable(partition):
-        return partition
+def _partition_fn(partition: Partition | Recompute | Callable[..., Any]) -> Callable[..., Any]:
     from torch._functorch.partitioners import (
         default_partition,
         min_cut_rematerialization_partition,
     )
 
+    if isinstance(partition, Recompute):
+        return _recompute_partition(partition, default_partition)
+    if callable(partition):
+        return partition
     return min_cut_rematerialization_partition if partition == "min_cut" else default_partition
+
+
+def _recompute_partition(policy: Recompute, split: Callable[..., Any]) -> Callable[..., Any]:
+    """The project's recomputation by cost as a partition function: the joint graph's
+    values that ``policy`` says to compute again get a copy right before their first
+    backward reader (``recompute``), and the default partition then keeps in the forward
+    only what its outputs need, so each copy lands in the backward and the forward saves
+    its inputs instead of it."""
+    from .._executor.recompute import recompute
+
+    def partition(joint: GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        rewritten, _count = recompute(joint, heavy=policy.heavy)
+        return split(rewritten, joint_inputs, **kwargs)
+
+    return partition
 
 
 def compile_backend(
     pool: BufferPool,
     *,
-    partition: Partition | Callable[..., Any] = "min_cut",
+    partition: Partition | Recompute | Callable[..., Any] = "min_cut",
     span: Span = "step",
     arena: str = "act.0",
     name: str = "compiled",
@@ -291,7 +310,9 @@ def compile_backend(
             unrouted).
         partition: ``"min_cut"`` (``torch.compile``'s: cheap ops recomputed in the backward
             where that saves memory), ``"default"`` (the backward reads what the forward
-            computed, as in eager) or a partition function of AOTAutograd's signature.
+            computed, as in eager), a ``sm.Recompute`` policy (the project's recomputation
+            by modelled cost on the joint graph, then the default partition) or a partition
+            function of AOTAutograd's signature.
         span: what one plan spans: ``"step"``, a whole training step, from its first
             forward graph to the end of its backward pass (the user's code between them
             included), so the plan knows the step's peak and keeps it at or below eager's;
