@@ -218,6 +218,69 @@ def _changed_attributes_and_a_later_hook() -> None:
     assert len(backend.graphs) == 8
 
 
+def test_a_loss_weight_and_train_eval_are_honoured() -> None:
+    torch.manual_seed(0)
+    model = Block()
+    twin = copy.deepcopy(model)
+    settings = {"weight": 1.0}  # a KL weight or a curriculum value a schedule changes
+
+    def train_step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = m(x).square().mean() * settings["weight"]
+        return out
+
+    backend = compile_backend(sm.BufferPool("cpu"))
+    compiled = torch.compile(train_step, backend=backend)
+    for i, (weight, training) in enumerate([(1.0, True), (3.0, True), (3.0, False), (0.5, True)]):
+        settings["weight"] = weight
+        x = torch.randn(2, 10, 32)
+        losses = []
+        for m, run in ((model, train_step), (twin, compiled)):
+            m.train(training)
+            m.zero_grad()
+            torch.manual_seed(i)
+            loss = run(m, x)
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), (i, losses)
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad), i
+    assert len(backend.graphs) == 2 * 3  # weight 3.0, eval, weight 0.5: compiled again each
+
+
+def test_a_failed_backward_leaves_the_next_steps_served() -> None:
+    torch.manual_seed(0)
+    pool = sm.BufferPool("cpu")
+    model = Block(p=0.0)
+    backend = compile_backend(pool)
+    compiled = torch.compile(model, backend=backend)
+    fail = [False]
+
+    def maybe_fail(grad: torch.Tensor) -> torch.Tensor:
+        if fail[0]:
+            raise RuntimeError("a hook failed")
+        return grad
+
+    model.ln1.weight.register_hook(maybe_fail)
+    eager = copy.deepcopy(model)  # no hooks: the same steps, eagerly
+    for i in range(6):
+        fail[0] = i == 2
+        x = torch.randn(2, 10, 32)
+        for m, run in ((eager, eager), (model, compiled)):
+            m.zero_grad()
+            loss = run(x).square().mean()
+            if fail[0] and m is model:
+                with pytest.raises(RuntimeError, match="a hook failed"):
+                    loss.backward()
+            else:
+                loss.backward()
+        if not fail[0]:
+            for a, b in zip(eager.parameters(), model.parameters(), strict=True):
+                assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+        # The step's span closed with its backward pass (the failed one's, with the next).
+        assert getattr(backend._steps._open, "scope", None) is None or fail[0], i
+    assert pool.stats()["replayed_calls"] >= 2
+
+
 def test_a_parameter_gradient_hook_is_called() -> None:
     torch.manual_seed(0)
     model = _mlp()

@@ -164,19 +164,19 @@ class StepSpans:
             return  # a later graph of the same step (a graph break): the span is open
         scope = graph.route(("step", *_signature(args))).scope()
         scope.__enter__()
-        state.scope, state.closing = scope, False
+        state.scope = scope
 
     def backward(self) -> None:
-        state = self._open
-        if getattr(state, "scope", None) is None or state.closing:
-            return
-        state.closing = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._close)
+        if getattr(self._open, "scope", None) is not None:
+            # Queued by every backward graph: a pass that fails runs none of its callbacks,
+            # and the next pass's then closes the span.
+            torch.autograd.Variable._execution_engine.queue_callback(self._close)
 
     def _close(self) -> None:
         state = self._open
-        scope, state.scope = state.scope, None
-        scope.__exit__(None, None, None)
+        scope, state.scope = getattr(state, "scope", None), None
+        if scope is not None:
+            scope.__exit__(None, None, None)
 
 
 class PoolBackend:
