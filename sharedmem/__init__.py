@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._backends import backend_names
 from ._blob import Blob
+from ._compile import compile_backend
 from ._devices import available_devices
 from ._errors import OutOfMemoryError, SharedMemError
 from ._executor.fsdp import prepare_fsdp
@@ -48,6 +49,7 @@ __all__ = [
     "__version__",
     "available_devices",
     "backend_names",
+    "compile_backend",
     "estimate",
     "fit_eager_step",
     "fit_step",
