@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -36,6 +36,10 @@ from .._pool.report import human_bytes
 from .._routing import loaded, native
 from .._validate import call_loss_fn, check_loss_fn
 from .budget import parse_bytes
+from .counting import faker as _faker
+from .counting import nbytes as _nbytes
+from .counting import optimizer_bytes as _optimizer_bytes
+from .counting import tensors as _tensors
 from .live import LiveBytes, round_for
 from .sharded import default_units, sharded_train
 
@@ -555,18 +559,6 @@ def _real(tree: object) -> object:
     return pytree.tree_map(convert, tree)
 
 
-def _nbytes(tensors: Iterator[torch.Tensor], rounding: Callable[[int], int]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()  # one Python object per storage: tied weights count once
-        seen.setdefault(id(storage), rounding(storage.nbytes()))
-    return sum(seen.values())
-
-
-def _tensors(tree: object) -> Iterator[torch.Tensor]:
-    return (v for v in pytree.tree_leaves(tree) if isinstance(v, torch.Tensor))
-
-
 def eager_train(
     model: nn.Module,
     inputs: object,
@@ -647,13 +639,6 @@ def _eager_eval(
         return live.peak, _nbytes(_tensors(output), rounding)
 
 
-def _faker(fake: FakeTensorMode) -> Callable[[object], object]:
-    def convert(value: object) -> object:
-        return fake.from_tensor(value) if isinstance(value, torch.Tensor) else value
-
-    return convert
-
-
 @contextlib.contextmanager
 def _module_stack(model: nn.Module) -> Iterator[list[str]]:
     """The paths of the modules whose forward is running, outermost first."""
@@ -674,34 +659,3 @@ def _module_stack(model: nn.Module) -> Iterator[list[str]]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _optimizer_bytes(
-    optimizer: torch.optim.Optimizer,
-    model: nn.Module,
-    state: Mapping[str, torch.Tensor],
-    grads: tuple[torch.Tensor | None, ...],
-    rounding: Callable[[int], int],
-) -> tuple[int, int]:
-    """The state a copy of ``optimizer`` keeps after a step, and the temporaries of a step."""
-    by_id = {id(p): state[name] for name, p in model.named_parameters()}
-    trainable = [state[name] for name, p in model.named_parameters() if p.requires_grad]
-    for p, g in zip(trainable, grads, strict=False):
-        p.grad = g
-    groups = [
-        {
-            **{k: v for k, v in group.items() if k != "params"},
-            "params": [by_id[id(p)] for p in group["params"] if id(p) in by_id],
-        }
-        for group in optimizer.param_groups
-    ]
-    kind: Any = type(optimizer)  # a concrete optimizer: its groups carry every hyperparameter
-    twin = kind(groups)
-    live = LiveBytes(rounding, [*state.values(), *(g for g in grads if g is not None)])
-    with live, torch.no_grad():
-        twin.step()  # the first step makes the state
-        state_bytes = live.live
-        live.reset_peak()
-        twin.step()  # a steady step: what it holds on top of the state for a moment
-        temporaries = live.peak - live.live
-    return state_bytes, temporaries

@@ -44,6 +44,10 @@ from torch.func import functional_call
 from .._errors import quiet_fake_tensor_failures
 from .._executor.calling import model_arguments
 from .._validate import call_loss_fn
+from .counting import faker as _faker
+from .counting import nbytes as _nbytes
+from .counting import optimizer_bytes as _optimizer_bytes
+from .counting import tensors as _tensors
 from .live import LiveBytes
 
 __all__ = ["ShardedTrain", "default_units", "sharded_train"]
@@ -241,7 +245,6 @@ def sharded_train(
     applied to each module of ``units`` (paths; ``""`` is the model, the root) in the order
     given, as FSDP2 runs its train step (see the module's docstring). ``gloo``: the process
     group copies a reduce-scatter's input while it runs, as gloo does on CPU."""
-    from .estimate import _faker, _nbytes, _optimizer_bytes, _tensors  # one module's helpers
 
     result = ShardedTrain()
     params = dict(model.named_parameters())
