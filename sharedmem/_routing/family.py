@@ -31,7 +31,7 @@ import numpy as np
 
 from .plan import Fences, Recording, RoutePlan, reuse_offsets
 
-__all__ = ["SharedPlans"]
+__all__ = ["FamilyPlan", "SharedPlans"]
 
 PLANS_PER_FAMILY = 16  # envelope plans kept per family (least recent dropped)
 
@@ -41,6 +41,16 @@ _Ticks = tuple[tuple[int, ...], tuple[int, ...]]  # alloc_at, free_at of a seque
 class _Envelope(NamedTuple):
     plan: RoutePlan  # the plan of ``sizes``
     sizes: np.ndarray  # the envelope's sizes it was made for
+
+
+class FamilyPlan(NamedTuple):
+    """A route's plan from its family: the plan of its own sizes, the arena bytes the
+    family's plan needs (what to grow the arena to: the envelope's), and whether it was
+    reused (the envelope covered the sizes) rather than made."""
+
+    plan: RoutePlan
+    need: int
+    reused: bool
 
 
 class SharedPlans:
@@ -54,7 +64,6 @@ class SharedPlans:
         # per allocation sequence (its ticks): the largest size of each allocation seen
         self._envelopes: dict[_Ticks, np.ndarray] = {}
         self._plans: OrderedDict[tuple[_Ticks, Fences, int, bool], _Envelope] = OrderedDict()
-        self.reused = 0  # plans taken from the envelope's, not made
         self.made = 0  # envelope plans made
 
     def plan(
@@ -65,10 +74,9 @@ class SharedPlans:
         fences: Fences,
         grow: bool,
         make: Callable[[Recording], RoutePlan],
-    ) -> tuple[RoutePlan, int]:
+    ) -> FamilyPlan:
         """The plan of ``recording`` (as ``make`` plans a sequence, for an arena of
-        ``capacity`` bytes that ``fences`` hold parts of, grown where ``grow``), and the
-        arena bytes the family's plan needs (what to grow the arena to: the envelope's).
+        ``capacity`` bytes that ``fences`` hold parts of, grown where ``grow``).
 
         Where a plan of an envelope covering ``recording`` was made for the same fences and
         capacity, its offsets serve; otherwise the envelope is widened by ``recording`` and
@@ -80,8 +88,7 @@ class SharedPlans:
             found = self._plans.get(key)
             if found is not None and bool(np.all(sizes <= found.sizes)):
                 self._plans.move_to_end(key)
-                self.reused += 1
-                return reuse_offsets(recording, found.plan), found.plan.need
+                return FamilyPlan(reuse_offsets(recording, found.plan), found.plan.need, True)
             envelope = self._envelopes.get(ticks)
             envelope = sizes if envelope is None else np.maximum(envelope, sizes)
             self._envelopes[ticks] = envelope
@@ -93,4 +100,4 @@ class SharedPlans:
             self._plans.move_to_end(key)
             while len(self._plans) > PLANS_PER_FAMILY:
                 self._plans.popitem(last=False)
-        return reuse_offsets(recording, made), made.need
+        return FamilyPlan(reuse_offsets(recording, made), made.need, False)

@@ -69,6 +69,7 @@ COUNTERS = (
     "recorded_calls",  # calls that recorded their sequence (inside the arena, best fit)
     "replayed_calls",  # calls served by a plan
     "replanned_calls",  # calls that planned a recording again (fences or capacity changed)
+    "shared_plans",  # plans of one size taken from another's (a symbolic graph's family)
     "diverged_calls",  # replays that left their plan part way
 )
 
@@ -342,9 +343,10 @@ class Route:
             plan = make(spread)
             need = plan.need
         else:  # the family's plan, grown to what its widest sizes need
-            plan, need = self.family.plan(
-                spread, capacity=before, fences=fences, grow=grow, make=make
-            )
+            shared = self.family.plan(spread, capacity=before, fences=fences, grow=grow, make=make)
+            plan, need = shared.plan, shared.need
+            if shared.reused:
+                host.count("shared_plans", 1)
         if need and lane == self._arena:  # its base too: inputs are unaliased against it
             try:
                 view = host.tensor(self._arena, (need,), torch.uint8)
