@@ -433,11 +433,13 @@ def test_the_sizes_of_a_family_share_the_plan_of_their_envelope(
         return choose_plan(sequence, granularity=4096)
 
     widest = [0] * len(rec.sizes)
+    arena = 0  # grown to each plan's need, as a route grows it
     for scale in scales:
         sizes = [int(n * scale) for n in rec.sizes]
         sized = Recording(sizes, rec.alloc_at, rec.free_at)
         covered = bool(made) and all(a <= b for a, b in zip(sizes, widest, strict=True))
-        got = family.plan(sized, capacity=0, fences=(), grow=True, make=make)
+        got = family.plan(sized, capacity=arena, fences=(), grow=True, make=make)
+        arena = max(arena, got.need)
         assert got.reused == covered, (sizes, widest)
         widest = [max(a, b) for a, b in zip(sizes, widest, strict=True)]
         assert list(made[-1].sizes) == widest  # what was planned last: the envelope

@@ -16,8 +16,9 @@ only a length larger than every one before (a few in a run: the running maxima) 
 envelope and plans it again. The arena holds the envelope's plan, so it ends at the size the
 longest length would have grown it to alone, as without the sharing.
 
-Plans are kept, as a route keeps its own, per set of fences and per arena capacity: a plan
-made before the arena grew is made again for the arena as it is.
+Plans are kept, as a route keeps its own, per set of fences. Unlike a route's own plan, a
+family's is not made again when the arena grows (another size's plan grew it): it still fits,
+and the arena grows for the family only while the envelope widens, which plans it again.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class SharedPlans:
         self._lock = threading.Lock()
         # per allocation sequence (its ticks): the largest size of each allocation seen
         self._envelopes: dict[_Ticks, np.ndarray] = {}
-        self._plans: OrderedDict[tuple[_Ticks, Fences, int, bool], _Envelope] = OrderedDict()
+        self._plans: OrderedDict[tuple[_Ticks, Fences, bool], _Envelope] = OrderedDict()
         self.made = 0  # envelope plans made
 
     def plan(
@@ -78,15 +79,19 @@ class SharedPlans:
         """The plan of ``recording`` (as ``make`` plans a sequence, for an arena of
         ``capacity`` bytes that ``fences`` hold parts of, grown where ``grow``).
 
-        Where a plan of an envelope covering ``recording`` was made for the same fences and
-        capacity, its offsets serve; otherwise the envelope is widened by ``recording`` and
-        planned by ``make``."""
+        Where a plan of an envelope covering ``recording`` was made for the same fences (and
+        fits the arena as it is), its offsets serve; otherwise the envelope is widened by
+        ``recording`` and planned by ``make``."""
         ticks = (tuple(recording.alloc_at), tuple(recording.free_at))
         sizes = np.asarray(recording.sizes, dtype=np.int64)
-        key = (ticks, tuple(fences), capacity, grow)
+        key = (ticks, tuple(fences), grow)
         with self._lock:
             found = self._plans.get(key)
-            if found is not None and bool(np.all(sizes <= found.sizes)):
+            if (
+                found is not None
+                and found.plan.need <= capacity
+                and bool(np.all(sizes <= found.sizes))
+            ):
                 self._plans.move_to_end(key)
                 return FamilyPlan(reuse_offsets(recording, found.plan), found.plan.need, True)
             envelope = self._envelopes.get(ticks)
