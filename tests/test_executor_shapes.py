@@ -104,6 +104,20 @@ def test_one_symbolic_capture_serves_every_length() -> None:
     assert stats.get("diverged_calls", 0) == 0
 
 
+def test_a_new_length_reuses_the_plan_of_the_longest_so_far() -> None:
+    torch.manual_seed(4)
+    # the symbolic graph is traced at 40 (the longest); every later length is shorter: its
+    # plan is the family's, reused, made again only for new fences or a grown arena
+    lengths = [5, 40, 9, 13, 7, 21, 30, 11, 17, 25, 33, 19, 6, 28]
+    pool = run_both(TinyLM(), [(3, t) for t in lengths])
+    assert captures(pool) == (2, 1)
+    stats = pool.stats()
+    assert stats.get("diverged_calls", 0) == 0
+    new_lengths = len(lengths) - 2  # not the first graph's, nor the symbolic graph's first
+    assert stats["derived_plans"] == new_lengths
+    assert stats["shared_plans"] >= new_lengths - 3
+
+
 def test_a_changing_batch_size_joins_the_symbols_once() -> None:
     torch.manual_seed(1)
     shapes = [(4, 8), (4, 12), (2, 12), (3, 5), (4, 17), (2, 8), (5, 3)]

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import sharedmem as sm
-from sharedmem._routing import Recording, choose_plan, native, plan_offsets
+from sharedmem._routing import Recording, RoutePlan, choose_plan, native, plan_offsets
+from sharedmem._routing.family import SharedPlans
 from sharedmem.testing import allocator_peak
 
 pytestmark = pytest.mark.skipif(native() is None, reason="the routing allocator did not build")
@@ -394,21 +395,58 @@ def _recordings(draw: st.DrawFn) -> Recording:
     return Recording(sizes, alloc_at, free_at)
 
 
+def _assert_disjoint(rec: Recording, plan: RoutePlan) -> None:
+    """No two allocations of ``rec`` live at one tick share a byte of ``plan``'s arena; every
+    placed one dies inside the step, on the 64-byte grid, below ``plan.need``."""
+    placed = [
+        (rec.alloc_at[i], rec.free_at[i], off, off + rec.sizes[i])
+        for i, off in enumerate(plan.offsets)
+        if off >= 0
+    ]
+    assert all(rec.free_at[i] >= 0 for i, off in enumerate(plan.offsets) if off >= 0)
+    assert all(off % 64 == 0 and top <= plan.need for _, _, off, top in placed)
+    for k, (s1, e1, lo1, hi1) in enumerate(placed):
+        for s2, e2, lo2, hi2 in placed[k + 1 :]:
+            if s1 < e2 and s2 < e1:
+                assert hi1 <= lo2 or hi2 <= lo1
+    assert plan.need >= plan.lower_bound or plan.lower_bound == 0
+
+
 @given(_recordings(), st.integers(0, 20_000))
 def test_no_two_live_allocations_share_a_byte(rec: Recording, capacity: int) -> None:
     for plan in (plan_offsets(rec), choose_plan(rec, capacity=capacity, granularity=4096)):
-        placed = [
-            (rec.alloc_at[i], rec.free_at[i], off, off + rec.sizes[i])
-            for i, off in enumerate(plan.offsets)
-            if off >= 0
-        ]
-        assert all(rec.free_at[i] >= 0 for i, off in enumerate(plan.offsets) if off >= 0)
-        assert all(off % 64 == 0 and top <= plan.need for _, _, off, top in placed)
-        for k, (s1, e1, lo1, hi1) in enumerate(placed):
-            for s2, e2, lo2, hi2 in placed[k + 1 :]:
-                if s1 < e2 and s2 < e1:
-                    assert hi1 <= lo2 or hi2 <= lo1
-        assert plan.need >= plan.lower_bound or plan.lower_bound == 0
+        _assert_disjoint(rec, plan)
+
+
+@given(_recordings(), st.lists(st.floats(0.0, 2.0), min_size=3, max_size=3))
+def test_the_sizes_of_a_family_share_the_plan_of_their_envelope(
+    rec: Recording, scales: list[float]
+) -> None:
+    # Three sizes of one sequence (each allocation scaled, as a length scales it): the
+    # family plans the first, then reuses that plan for any size it covers, and plans the
+    # widest sizes seen once a size passes it; every size's plan is disjoint.
+    family = SharedPlans()
+    made: list[Recording] = []
+
+    def make(sequence: Recording) -> RoutePlan:
+        made.append(sequence)
+        return choose_plan(sequence, granularity=4096)
+
+    widest = [0] * len(rec.sizes)
+    arena = 0  # grown to each plan's need, as a route grows it
+    for scale in scales:
+        sizes = [int(n * scale) for n in rec.sizes]
+        sized = Recording(sizes, rec.alloc_at, rec.free_at)
+        covered = bool(made) and all(a <= b for a, b in zip(sizes, widest, strict=True))
+        got = family.plan(sized, capacity=arena, fences=(), grow=True, make=make)
+        arena = max(arena, got.need)
+        assert got.reused == covered, (sizes, widest)
+        widest = [max(a, b) for a, b in zip(sizes, widest, strict=True)]
+        assert list(made[-1].sizes) == widest  # what was planned last: the envelope
+        assert got.need == choose_plan(made[-1], granularity=4096).need
+        _assert_disjoint(sized, got.plan)
+        assert got.plan.need <= got.need
+    assert family.made == len(made)
 
 
 @given(_recordings(), st.integers(0, 20_000))

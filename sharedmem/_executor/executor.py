@@ -27,6 +27,7 @@ from .._backends import round_up
 from .._errors import SharedMemError
 from .._pool import BufferPool
 from .._routing import Route, choose_plan, routes_on
+from .._routing.family import SharedPlans
 from .._routing.plan import Recording
 from .._validate import check_name
 from .binding import Binding, Place, State
@@ -131,6 +132,8 @@ class Family:
         default_factory=dict
     )
     derived: set[int] = dataclasses.field(default_factory=set)  # ids of derived recordings
+    # per key of ``built``: the plans its routes share (one plan for every size)
+    plans: dict[tuple[object, ...], SharedPlans] = dataclasses.field(default_factory=dict)
 
 
 class Mode(NamedTuple):
@@ -416,6 +419,7 @@ class Executor:
             return None
         self.pool.count("symbolic_captures", 1)
         found.dims, found.traced, found.built, found.routes = dims, traced, {}, {}
+        found.plans = {}
         return self._instance(found, traced, tail, label, build, data)
 
     def first_of(self, family: tuple[object, ...] | None, traced: Traced) -> None:
@@ -449,8 +453,14 @@ class Executor:
             base = family.built[tail] = build(traced)
         summary = dataclasses.replace(base.summary, signature=label)
         route = base.route
-        if route is not None and not fresh:
-            route = Route(self.pool, f"{self.prefix}0", training=route.training)
+        if route is not None:
+            # Every size's route plans by the family's envelope (``SharedPlans``): a new
+            # size reuses its offsets rather than planning its own.
+            shared = family.plans.setdefault(tail, SharedPlans())
+            if fresh:
+                route.family = shared
+            else:
+                route = Route(self.pool, f"{self.prefix}0", training=route.training, family=shared)
         compiled = dataclasses.replace(base, summary=summary, route=route)
         if compiled.route is not None and traced.sizes is not None:
             sizes = traced.sizes(data)

@@ -13,6 +13,7 @@ draw from the global generator in eager order. Tensors the forward stores on the
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -302,21 +303,71 @@ def _symbolic(
         return code is None or bool(shape_env.evaluate_guards_expression(code, tensors))
 
     exprs = list(dict.fromkeys(_byte_sizes(gm)))
+    # Every new size of the family evaluates these: as one compiled Python function (a
+    # few microseconds), not sympy's substitution (milliseconds per size).
+    fast = _compiled_sizes(exprs, shape_env.bind_symbols(data, flat[first:]))
 
     def sizes(tensors: Sequence[torch.Tensor]) -> list[int]:
         values = shape_env.bind_symbols(data, tensors)
-        found = []
-        for e in exprs:
-            try:
-                found.append(e if isinstance(e, int) else int(e.xreplace(values)))
-            except TypeError:  # a symbol the inputs do not bind
-                found.append(-1)
-        return found
+        if fast is not None:
+            found = fast(values)
+            if found is not None:
+                return found
+        return _substituted(exprs, values)
 
     concrete = FakeTensorMode(allow_non_fake_inputs=True)
     with _LOCK:
         FakeTensorProp(gm, concrete).propagate(*(concrete.from_tensor(t) for t in flat))
     return gm, serves, sizes
+
+
+def _substituted(exprs: Sequence[Any], values: dict[Any, Any]) -> list[int]:
+    """``exprs`` (ints and sympy expressions) at the symbols' ``values``; ``-1`` for one
+    with a symbol ``values`` leaves unbound."""
+    found = []
+    for e in exprs:
+        try:
+            found.append(e if isinstance(e, int) else int(e.xreplace(values)))
+        except TypeError:  # a symbol the inputs do not bind
+            found.append(-1)
+    return found
+
+
+def _compiled_sizes(
+    exprs: Sequence[Any], hints: dict[Any, Any]
+) -> Callable[[dict[Any, Any]], list[int] | None] | None:
+    """``exprs`` as one Python function of the symbols' values (``None`` where they do not
+    print as Python, or where the function disagrees with sympy at the traced sizes,
+    ``hints``); the function returns ``None`` where a symbol is unbound."""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    symbols = sorted({s for e in exprs if not isinstance(e, int) for s in e.free_symbols}, key=str)
+    names = [str(s) for s in symbols]
+    if not all(n.isidentifier() for n in names) or len(set(names)) != len(names):
+        return None
+    printer = PythonPrinter()
+    try:
+        body = ", ".join(str(e) if isinstance(e, int) else f"({printer.doprint(e)})" for e in exprs)
+        scope = {"__builtins__": {}, "math": math, "max": max, "min": min, "abs": abs}
+        code = eval(f"lambda {', '.join(names)}: [{body}]", scope)
+    except Exception:  # an expression PythonPrinter cannot write
+        return None
+
+    def evaluate(values: dict[Any, Any]) -> list[int] | None:
+        try:
+            found = code(*(int(values[s]) for s in symbols))
+        except KeyError:  # a symbol the inputs do not bind
+            return None
+        return found if all(type(v) is int for v in found) else None
+
+    try:
+        if not symbols or any(s not in hints for s in symbols):
+            return None
+        if evaluate(hints) != _substituted(exprs, hints):
+            return None
+    except Exception:  # evaluation failed at the traced sizes: the slow path serves
+        return None
+    return evaluate
 
 
 def _byte_sizes(gm: GraphModule) -> Iterator[Any]:

@@ -37,7 +37,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Fences", "Recording", "RoutePlan", "choose_plan", "placeable", "plan_offsets"]
+__all__ = [
+    "Fences",
+    "Recording",
+    "RoutePlan",
+    "choose_plan",
+    "placeable",
+    "plan_offsets",
+    "reuse_offsets",
+]
 
 ALIGN = 64  # every planned address is a multiple of this: any dtype and vector load fits
 _ALWAYS = 1 << 62  # a fence's end tick: after every tick of any step
@@ -182,6 +190,24 @@ def plan_offsets(
             best, best_need = offsets, need
     assert best is not None
     return _described(recording, best)
+
+
+def reuse_offsets(recording: Recording, plan: RoutePlan) -> RoutePlan:
+    """``plan``'s offsets for ``recording``: a sequence of the same ticks as the one ``plan``
+    was made for, each allocation at most as large (another size of a symbolic graph). No
+    two allocations that share a tick overlap still: each keeps within its planned range.
+
+    Example::
+
+        >>> from sharedmem._routing.plan import Recording, plan_offsets, reuse_offsets
+        >>> big = plan_offsets(Recording([256, 128, 128], [0, 2, 3], [1, 4, 5]))
+        >>> small = reuse_offsets(Recording([64, 100, 32], [0, 2, 3], [1, 4, 5]), big)
+        >>> small.offsets, small.need
+        ((0, 0, 128), 192)
+    """
+    planned = plan.offsets
+    assert len(planned) == len(recording.sizes), "a plan of another sequence"
+    return _described(recording, list(planned))
 
 
 def _pack(

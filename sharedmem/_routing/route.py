@@ -57,6 +57,7 @@ from .._backends import cuda_torch_ops
 from .._errors import OutOfMemoryError
 from . import optimizer
 from .cuda_native import cuda_router
+from .family import SharedPlans
 from .host import ArenaHost
 from .native import loaded, native, would_load
 from .plan import Fences, Recording, RoutePlan, choose_plan, placeable, plan_offsets
@@ -72,6 +73,7 @@ COUNTERS = (
     "recorded_calls",  # calls that recorded their sequence (inside the arena, best fit)
     "replayed_calls",  # calls served by a plan
     "replanned_calls",  # calls that planned a recording again (fences or capacity changed)
+    "shared_plans",  # plans of one size taken from another's (a symbolic graph's family)
     "diverged_calls",  # replays that left their plan part way
 )
 
@@ -116,10 +118,21 @@ class Route:
             route grows the arena only while no training route has been planned on it.
     """
 
-    def __init__(self, host: ArenaHost, arena: str, *, training: bool, expected: int = 0) -> None:
+    def __init__(
+        self,
+        host: ArenaHost,
+        arena: str,
+        *,
+        training: bool,
+        expected: int = 0,
+        family: SharedPlans | None = None,
+    ) -> None:
         self._host = host
         self._arena = arena
         self.training = training
+        # The plans this route shares with the other sizes of its graph (``family``), where
+        # its graph was traced with symbolic sizes.
+        self.family = family
         self.plan: RoutePlan | None = None  # the plan the latest call served by
         self.recording: Recording | None = None
         self._plans: OrderedDict[Fences, _Planned] = OrderedDict()
@@ -342,16 +355,27 @@ class Route:
             if free < 0 and recording.sizes[i] > 0 and i not in self._held
         ]
         spread = placeable(recording, outliving)
-        plan = choose_plan(
-            spread,
-            capacity=before,
-            granularity=host.granularity,
-            ceiling=ceiling,
-            fences=fences,
-        )
-        if plan.need and lane == self._arena:  # its base too: inputs are unaliased against it
+
+        def make(sequence: Recording) -> RoutePlan:
+            return choose_plan(
+                sequence,
+                capacity=before,
+                granularity=host.granularity,
+                ceiling=ceiling,
+                fences=fences,
+            )
+
+        if self.family is None:
+            plan = make(spread)
+            need = plan.need
+        else:  # the family's plan, grown to what its widest sizes need
+            shared = self.family.plan(spread, capacity=before, fences=fences, grow=grow, make=make)
+            plan, need = shared.plan, shared.need
+            if shared.reused:
+                host.count("shared_plans", 1)
+        if need and lane == self._arena:  # its base too: inputs are unaliased against it
             try:
-                view = host.tensor(self._arena, (plan.need,), torch.uint8)
+                view = host.tensor(self._arena, (need,), torch.uint8)
                 host.arenas.served_from(self._arena, view.data_ptr())
             except OutOfMemoryError:  # the limit's arithmetic was off: keep to what is there
                 plan = plan_offsets(spread, ceiling=self._capacity(), fences=fences)
