@@ -15,16 +15,23 @@ from sharedmem._cli import main
 from sharedmem._cli.demo import DemoConfig, demo_verdict, run_demo
 
 
-@pytest.mark.slow  # the whole demo, 40 steps of each part
-@pytest.mark.parametrize("device", ["cpu", "emulated"])
-def test_demo_shares_the_pool_and_learns(device: str, capsys: pytest.CaptureFixture[str]) -> None:
-    result = run_demo(DemoConfig(device=device, steps=40, eval_every=20))
+@pytest.mark.slow  # the whole demo: 40 steps of the first two parts, 20 of the third
+@pytest.mark.timeout(900)  # about 40 CPU s for the CPU run: past 300 s on a busy machine
+# On the emulated device, 10 steps: what its pool does differently (a host and a device side,
+# staged batches, the budget's chunks on it) is all in every step, and its third part, at
+# 8 times the batch, was most of the tier's time; learning over 40 steps is the CPU run's.
+@pytest.mark.parametrize(("device", "steps"), [("cpu", 40), ("emulated", 10)])
+def test_demo_shares_the_pool_and_learns(
+    device: str, steps: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = run_demo(DemoConfig(device=device, steps=steps, eval_every=steps // 2))
     train_bytes, eval_bytes = result["shared_bytes"]
     per_net_train, per_net_eval = result["per_net_bytes"]
     assert eval_bytes <= 0.05 * train_bytes  # DESIGN §7: eval adds at most 5%
     assert per_net_eval > 0.3 * per_net_train  # without sharing the eval net costs a lot
     assert result["saving"] > 0.25
-    assert result["losses"][-1] < result["losses"][0]
+    if steps >= 20:  # long enough to learn (a short run may go either way on noisy batches)
+        assert result["losses"][-1] < result["losses"][0]
     # Allocation does not change the maths: equal up to rounding (a kernel may take another
     # path for another buffer address).
     assert result["losses"] == pytest.approx(result["per_net_losses"], rel=1e-4)
@@ -47,10 +54,9 @@ def test_the_first_loss_is_near_a_uniform_guess_and_short_runs_succeed(
 ) -> None:
     # He-initialised layers on unit-variance inputs with a small last layer: the first loss is
     # about ln(10) = 2.30, not a dozen; one step and three steps are runs like any other.
-    result = run_demo(DemoConfig(steps=1), verbose=False)
+    result = run_demo(DemoConfig(steps=1), verbose=False, fit=False)  # the first part's loss
     assert abs(result["losses"][0] - 2.3026) < 0.1
-    assert main(["demo", "--steps", "1"]) == 0
-    assert main(["demo", "--steps", "3"]) == 0
+    assert main(["demo", "--steps", "1"]) == 0  # three steps: test_python_m_sharedmem_demo_runs
     assert "sharedmem: demo failed" not in capsys.readouterr().err
 
 
@@ -99,8 +105,10 @@ def test_demo_help_explains_every_option_with_its_default(
 
 
 def test_python_m_sharedmem_demo_runs() -> None:
+    # A short run (3 steps: the third part trains at 8 times the batch, 2 CPU s a step); a
+    # whole run, learning included, is test_demo_shares_the_pool_and_learns's.
     done = subprocess.run(
-        [sys.executable, "-m", "sharedmem", "demo", "--steps", "20", "--device", "emulated"],
+        [sys.executable, "-m", "sharedmem", "demo", "--steps", "3", "--device", "emulated"],
         capture_output=True,
         text=True,
         check=True,
@@ -108,7 +116,9 @@ def test_python_m_sharedmem_demo_runs() -> None:
     assert "eval adds" in done.stdout and "done in" in done.stdout
 
 
-def test_distributed_demo_runs_on_two_ranks_and_prints_their_memory() -> None:
+def test_distributed_demo_runs_on_two_ranks_and_prints_their_memory(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     # The documented command, on loopback gloo ranks: per-rank and total memory, and the
     # losses equal eager DDP's (the demo's own verdict, exit 0).
     command = ["-m", "sharedmem", "demo", "--distributed", "--steps", "4", "--train-batch", "64"]
@@ -126,13 +136,18 @@ def test_distributed_demo_runs_on_two_ranks_and_prints_their_memory() -> None:
     ]
     assert [row[0] for row in rows] == ["0", "1"] and all(row[-2:] == ["0", "B"] for row in rows)
     assert "total over 2 ranks" in done.stdout and "evaluation added 0 B" in done.stdout
-    # Without torchrun there is no rank to be: one line saying how to launch it, exit 2.
-    alone = subprocess.run([sys.executable, *command], capture_output=True, text=True)
-    assert alone.returncode == 2 and alone.stderr.startswith("sharedmem: demo --distributed")
-    assert "torchrun --standalone --nproc-per-node 2" in alone.stderr
+    # Without torchrun there is no rank to be: one line saying how to launch it, exit 2 (here,
+    # not in a process of its own: a refusal before any work).
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(command[2:]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("sharedmem: demo --distributed") and said.count("\n") == 1
+    assert "torchrun --standalone --nproc-per-node 2" in said
 
 
-def test_distributed_fsdp_demo_matches_eager_fsdp2_on_two_ranks() -> None:
+def test_distributed_fsdp_demo_matches_eager_fsdp2_on_two_ranks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # FSDP2 inside pool.step() beside eager FSDP2: every loss equal (the demo's verdict, exit
     # 0), each rank's peak against eager's, and a clean end (torchrun reports no failure).
     command = ["-m", "sharedmem", "demo", "--distributed", "--fsdp", "--steps", "4"]
@@ -146,10 +161,8 @@ def test_distributed_fsdp_demo_matches_eager_fsdp2_on_two_ranks() -> None:
     ]
     assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "equal" for row in rows)
     # Without --distributed there are no ranks to shard over: one line, exit 2.
-    alone = subprocess.run(
-        [sys.executable, "-m", "sharedmem", "demo", "--fsdp"], text=True, capture_output=True
-    )
-    assert alone.returncode == 2 and "add --distributed" in alone.stderr
+    assert main(["demo", "--fsdp"]) == 2
+    assert "add --distributed" in capsys.readouterr().err
 
 
 def test_cli_without_a_command_says_how_to_use_it() -> None:
