@@ -184,6 +184,23 @@ def pytest_configure(config: pytest.Config) -> None:
     # One seed drives hypothesis and every hand-written randomized test of the run.
     if config.getoption("hypothesis_seed", None) is None:
         config.option.hypothesis_seed = _SEED
+    _share_the_cores()
+
+
+def _share_the_cores() -> None:
+    """In an xdist worker, PyTorch's intra-op threads are the cores divided by the workers
+    (and so in the processes tests start): each worker otherwise runs one thread per core,
+    and on a 2-core machine 2 workers x 2 threads spin against each other for a quarter of
+    the CPU time. Every comparison a test makes is within its own process, at one thread
+    count; ``SHAREDMEM_TEST_THREADS`` chooses another."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 1:
+        return
+    threads = int(
+        os.environ.get("SHAREDMEM_TEST_THREADS", max(1, (os.cpu_count() or 1) // workers))
+    )
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 @pytest.fixture
