@@ -23,14 +23,13 @@ present (``--grads present``: zeroed in place, as in accumulation):
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -256,15 +255,35 @@ def varlen(steps: int) -> None:
 STEADY_AFTER = 10
 
 
+class Options:
+    """The script's command line: zoo model names, then ``--name value`` options."""
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "partition": tuple(PARTITIONS),
+        "span": ("step", "graph"),
+        "grads": ("none", "present"),
+    }
+
+    def __init__(self, argv: list[str]) -> None:
+        self.models: list[str] = []
+        self.partition, self.span, self.grads = "min_cut", "step", "none"
+        self.reps, self.varlen = 9, 0
+        words = iter(argv)
+        for word in words:
+            if not word.startswith("--"):
+                self.models.append(word)
+                continue
+            key, value = word[2:], next(words, None)
+            if value is None or not hasattr(self, key) or key == "models":
+                sys.exit(f"bench_compile_backend: usage: see the module's docstring ({word})")
+            if key in self.CHOICES and value not in self.CHOICES[key]:
+                sys.exit(f"bench_compile_backend: --{key} takes one of {self.CHOICES[key]}")
+            setattr(self, key, int(value) if key in ("reps", "varlen") else value)
+        self.models = self.models or list(DEFAULT_MODELS)
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS))
-    parser.add_argument("--partition", choices=tuple(PARTITIONS), default="min_cut")
-    parser.add_argument("--span", choices=("step", "graph"), default="step")
-    parser.add_argument("--grads", choices=("none", "present"), default="none")
-    parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--varlen", type=int, default=0, help="run the varlen LM this many steps")
-    args = parser.parse_args(argv)
+    args = Options(argv)
     if args.varlen:
         varlen(args.varlen)
         return

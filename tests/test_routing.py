@@ -171,13 +171,16 @@ def test_a_traced_step_serves_its_intermediates_from_the_arena() -> None:
     summary = step.plan_summary()
     assert "routed:" in str(summary)
     assert pool.stats()["arena_served_bytes"] > 0
-    # And never above eager, to the byte: what the plan leaves to PyTorch, it leaves because
-    # the arena in whole pages would have held more than eager does at its peak.
+    # And never above eager but for the arena's rounding: what the plan leaves to PyTorch, it
+    # leaves because the arena in whole pages would have held more than eager does at its
+    # peak, unless that would serve less than half of the step: then the whole step is served
+    # at most one granule and 0.1% above (``choose_plan``'s tolerance; with one intra-op
+    # thread this step is 262,824 bytes eagerly and its arena 65 pages, 266,240).
     plain.zero_grad(set_to_none=False)
     model.zero_grad(set_to_none=False)
     eager = allocator_peak(lambda: _step(plain, x, y))
     pooled = allocator_peak(lambda: step(x, y)) + pool.stats()["reserved_bytes"]
-    assert 0 < pooled <= eager
+    assert 0 < pooled <= eager + pool.granularity + eager // 1000
 
 
 def test_a_step_whose_peak_is_its_gradients_says_that_is_its_floor() -> None:
