@@ -49,6 +49,18 @@ def test_demo_shares_the_pool_and_learns(
     assert "[3/3]" in out and "chunks per step" in out
 
 
+def test_a_batch_whose_gradients_no_budget_can_chunk_skips_the_third_part_and_succeeds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # At --train-batch 64 the third part's MLP step is mostly gradients, which chunks cannot
+    # shrink: no budget below the step's need can be met. The demo says so and ends well
+    # (it ended in an OutOfMemoryError from the budget's planning).
+    assert main(["demo", "--train-batch", "64", "--steps", "1"]) == 0
+    out = capsys.readouterr()
+    assert "skipped: at batch 512 no budget below" in out.out, out.out
+    assert "Traceback" not in out.err and "sharedmem: demo failed" not in out.err
+
+
 def test_the_first_loss_is_near_a_uniform_guess_and_short_runs_succeed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -237,9 +237,10 @@ def run_demo(
         fitted = run_fit_demo(
             config, say, lambda step: hear(f"under half the memory, step {step}/{steps}")
         )
-        pairs = zip(fitted["losses"], fitted["unchunked_losses"], strict=True)
-        drift = max((abs(a - b) / abs(b) for a, b in pairs), default=0.0)
-        say(f"  the two loss curves are at most {drift:.1e} apart (relative)")
+        if fitted is not None:  # None: no budget below the step's need could be met
+            pairs = zip(fitted["losses"], fitted["unchunked_losses"], strict=True)
+            drift = max((abs(a - b) / abs(b) for a, b in pairs), default=0.0)
+            say(f"  the two loss curves are at most {drift:.1e} apart (relative)")
     elapsed = time.perf_counter() - started
     say(f"\nloss {shared['losses'][0]:.4f} -> {shared['losses'][-1]:.4f}; done in {elapsed:.1f} s")
     return {

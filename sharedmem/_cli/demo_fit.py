@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._errors import OutOfMemoryError
 from .._planning.estimate import estimate
 from .._planning.steps import pooled_train_step
 from .._pool import BufferPool
@@ -45,7 +46,7 @@ def _module(config: DemoConfig, device: str) -> nn.Sequential:
 
 def run_fit_demo(
     config: DemoConfig, say: Callable[[str], None], progress: Callable[[int], None]
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Train the MLP twice side by side, unchunked and under half the unchunked step's own
     peak; returns both loss curves, the chunks and the memory figures."""
     device = "cpu" if config.device == "emulated" else config.device  # the modules' device
@@ -55,9 +56,15 @@ def run_fit_demo(
     data = SyntheticData(config)
     x, y = (t.to(device) for t in data.batch(batch))
     unchunked = estimate(plain, x, y, loss_fn=loss_fn, device=device).step_peak_pooled
-    budget = unchunked // 2
-    pool = BufferPool(config.device, limit=budget)
-    fitted = pooled_train_step(chunked, loss_fn, pool=pool, budget=budget)
+    reached = _reachable_budget(config.device, chunked, loss_fn, x, y, unchunked)
+    if reached is None:
+        say(
+            f"  skipped: at batch {batch} no budget below the unchunked step's need "
+            f"({human_bytes(unchunked)}) can be met in chunks (the gradients, which chunks "
+            "cannot shrink, are most of the step); a smaller --train-batch shows it"
+        )
+        return None
+    budget, pool, fitted = reached
     steps_of = {
         "unchunked": (pooled_train_step(plain, loss_fn, pool=BufferPool(config.device)), plain),
         "chunked": (fitted, chunked),
@@ -68,7 +75,7 @@ def run_fit_demo(
     say(
         f"  batch {batch}, {steps} steps, twice side by side: the unchunked step needs "
         f"{human_bytes(unchunked)} beyond the parameters and inputs; the other runs under a "
-        f"budget (and a pool limit) of half that, {human_bytes(budget)}"
+        f"budget (and a pool limit) of {_share(budget, unchunked)}, {human_bytes(budget)}"
     )
     losses: dict[str, list[float]] = {"unchunked": [], "chunked": []}
     most = 0
@@ -95,3 +102,46 @@ def run_fit_demo(
         "unchunked": unchunked,
         "pool_most": most,
     }
+
+
+# The budgets the third part tries, as shares of the unchunked step's need: half where a
+# chunked step can meet it; where gradients are most of the step (a large batch of a wide
+# MLP), chunks cannot shrink them, and a larger share is the least that runs.
+_SHARES = ((1, 2), (2, 3), (3, 4), (7, 8))
+
+
+def _reachable_budget(
+    device: str,
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    unchunked: int,
+) -> tuple[int, BufferPool, Any] | None:
+    """The smallest budget of ``_SHARES`` that a chunked step can meet (chosen by planning,
+    nothing run), its pool and its step; ``None`` where none can be."""
+    for numerator, denominator in _SHARES:
+        budget = unchunked * numerator // denominator
+        pool = BufferPool(device, limit=budget)
+        step = pooled_train_step(model, loss_fn, pool=pool, budget=budget)
+        try:
+            step.chunks_for(x, y)
+        except OutOfMemoryError:
+            continue
+        return budget, pool, step
+    return None
+
+
+def _share(budget: int, whole: int) -> str:
+    """``budget`` as the share of ``whole`` the demo chose, in words."""
+    for numerator, denominator in _SHARES:
+        if budget == whole * numerator // denominator:
+            return (
+                "half that"
+                if (numerator, denominator) == (1, 2)
+                else (
+                    f"{numerator}/{denominator} of that (half cannot be met: the gradients are "
+                    "most of the step)"
+                )
+            )
+    return "that"
