@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zoo as zoo_module
+from bench_routing import _call, _loss
 
 import sharedmem as sm
 
@@ -67,22 +68,6 @@ def allocator_events(step: Callable[[], object]) -> tuple[int, int]:
             live -= size
         peak = max(peak, live)
     return peak, made
-
-
-def _call(model: torch.nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    return model(inputs)
-
-
-def _loss(out: Any, targets: Any, loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
-    if loss_fn is not None:
-        return loss_fn(out, targets)
-    loss = out.loss if hasattr(out, "loss") else out["loss"]
-    assert isinstance(loss, torch.Tensor)
-    return loss
 
 
 def _doubled(inputs: Any) -> Any:

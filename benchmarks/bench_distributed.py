@@ -45,40 +45,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch._C._profiler import _EventType
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Progress, Row, interleaved, row, script_main
 from step_models import CASES
 
 import sharedmem as sm
+from sharedmem.testing import raw_allocator_peak as allocator_peak
 
 WORLD = 2
 MODELS = ("mlp", "resnet")
-
-
-def allocator_peak(step: Callable[[], object]) -> int:
-    """The peak of the running sum of the allocator's events during ``step``.
-
-    The figure ``bench_step_memory.allocator_peak`` gives, read from the raw allocation
-    events: the profiler's memory timeline builds a data-flow graph first, which asserts
-    ("duplicate outputs") on some eager DDP steps.
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
-    while events:
-        event = events.pop()
-        events.extend(event.children)
-        if event.typed[0] == _EventType.Allocation:
-            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
-    live = peak = 0
-    for _, size in sorted(allocations, key=lambda a: a[0]):
-        live += size
-        peak = max(peak, live)
-    return peak
 
 
 def _measure(rank: int, name: str, quick: bool) -> dict[str, float]:
