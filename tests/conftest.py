@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 import sharedmem as sm
+from sharedmem._routing import Recording
 
 HAS_CUDA = torch.cuda.is_available()
 # Without a GPU, tests marked ``cuda`` run against the CUDA stand-in (tests/cudasim), which
@@ -266,3 +268,26 @@ def make_memory(placement: tuple[str, str], nbytes: int = 0) -> sm.SyncedMemory:
 def storage_bytes(tensor: torch.Tensor) -> int:
     """Bytes of the storage under ``tensor``, what ``torch.save`` or ``deepcopy`` reads."""
     return int(tensor.untyped_storage().nbytes())
+
+
+@st.composite
+def recordings(draw: st.DrawFn, most: int = 40) -> Recording:
+    """A random allocation sequence of 1 to ``most`` allocations (0 to 5,000 bytes each),
+    frees interleaved at random, some alive at the end (they outlive the step)."""
+    n = draw(st.integers(1, most))
+    events: list[tuple[str, int]] = []
+    alive: list[int] = []
+    sizes: list[int] = []
+    for i in range(n):
+        sizes.append(draw(st.integers(0, 5000)))
+        events.append(("alloc", i))
+        alive.append(i)
+        while alive and draw(st.booleans()):
+            events.append(("free", alive.pop(draw(st.integers(0, len(alive) - 1)))))
+    for i in alive:
+        if draw(st.booleans()):
+            events.append(("free", i))
+    alloc_at, free_at = [0] * n, [-1] * n
+    for tick, (kind, i) in enumerate(events):
+        (alloc_at if kind == "alloc" else free_at)[i] = tick
+    return Recording(sizes, alloc_at, free_at)

@@ -22,10 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 import sharedmem as sm
+from sharedmem.testing import raw_allocator_peak as allocator_peak
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -42,25 +41,6 @@ def case(*worlds: int) -> Callable[[Callable[[int, int], None]], Callable[[int, 
         return fn
 
     return register
-
-
-def allocator_peak(step: Callable[[], object]) -> int:
-    """DESIGN §8: the peak of the running sum of the allocator's events during ``step``,
-    relative to its start, from the raw events (the profiler's memory timeline asserts on
-    some distributed steps), every thread's (gloo's worker copies buffers)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
-    while events:
-        event = events.pop()
-        events.extend(event.children)
-        if event.typed[0] == _EventType.Allocation:
-            allocations.append((event.start_time_ns, event.typed[1].alloc_size))
-    live = peak = 0
-    for _, size in sorted(allocations, key=lambda a: a[0]):
-        live += size
-        peak = max(peak, live)
-    return peak
 
 
 def _uneven() -> nn.Module:

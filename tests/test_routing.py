@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import recordings
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -377,27 +378,6 @@ def test_routing_imports_nothing_of_the_pool_or_above() -> None:
 # ---- the planner ----------------------------------------------------------------------------
 
 
-@st.composite
-def _recordings(draw: st.DrawFn) -> Recording:
-    n = draw(st.integers(1, 40))
-    events: list[tuple[str, int]] = []
-    alive: list[int] = []
-    sizes: list[int] = []
-    for i in range(n):
-        sizes.append(draw(st.integers(0, 5000)))
-        events.append(("alloc", i))
-        alive.append(i)
-        while alive and draw(st.booleans()):
-            events.append(("free", alive.pop(draw(st.integers(0, len(alive) - 1)))))
-    for i in alive:
-        if draw(st.booleans()):
-            events.append(("free", i))
-    alloc_at, free_at = [0] * n, [-1] * n
-    for tick, (kind, i) in enumerate(events):
-        (alloc_at if kind == "alloc" else free_at)[i] = tick
-    return Recording(sizes, alloc_at, free_at)
-
-
 def _assert_disjoint(rec: Recording, plan: RoutePlan) -> None:
     """No two allocations of ``rec`` live at one tick share a byte of ``plan``'s arena; every
     placed one dies inside the step, on the 64-byte grid, below ``plan.need``."""
@@ -415,13 +395,13 @@ def _assert_disjoint(rec: Recording, plan: RoutePlan) -> None:
     assert plan.need >= plan.lower_bound or plan.lower_bound == 0
 
 
-@given(_recordings(), st.integers(0, 20_000))
+@given(recordings(), st.integers(0, 20_000))
 def test_no_two_live_allocations_share_a_byte(rec: Recording, capacity: int) -> None:
     for plan in (plan_offsets(rec), choose_plan(rec, capacity=capacity, granularity=4096)):
         _assert_disjoint(rec, plan)
 
 
-@given(_recordings(), st.lists(st.floats(0.0, 2.0), min_size=3, max_size=3))
+@given(recordings(), st.lists(st.floats(0.0, 2.0), min_size=3, max_size=3))
 def test_the_sizes_of_a_family_share_the_plan_of_their_envelope(
     rec: Recording, scales: list[float]
 ) -> None:
@@ -452,7 +432,7 @@ def test_the_sizes_of_a_family_share_the_plan_of_their_envelope(
     assert family.made == len(made)
 
 
-@given(_recordings(), st.integers(0, 20_000))
+@given(recordings(), st.integers(0, 20_000))
 def test_the_chosen_plan_never_peaks_above_the_allocator_alone(rec: Recording, have: int) -> None:
     plan = choose_plan(rec, capacity=have, granularity=4096)
     arena = max(have, -(-plan.need // 4096) * 4096)
@@ -468,7 +448,7 @@ def test_the_chosen_plan_never_peaks_above_the_allocator_alone(rec: Recording, h
     assert arena + plan.beside_peak <= max(have, -(-full.need // 4096) * 4096) + full.beside_peak
 
 
-@given(_recordings())
+@given(recordings())
 def test_the_peak_matches_a_replay(rec: Recording) -> None:
     # Replayed tick by tick: the most bytes live at once.
     events = sorted(
@@ -483,7 +463,7 @@ def test_the_peak_matches_a_replay(rec: Recording) -> None:
     assert rec.live_peak() == best
 
 
-@given(_recordings())
+@given(recordings())
 def test_the_floor_is_what_outlives_the_step_so_far_beside_each_allocation(
     rec: Recording,
 ) -> None:

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import recordings
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -290,29 +291,8 @@ def test_gradients_kept_by_zero_grad_set_to_none_false_stay_exact_and_are_left_o
 # ---- the planner with fences and outliving allocations -----------------------------------
 
 
-@st.composite
-def _recordings(draw: st.DrawFn) -> Recording:
-    n = draw(st.integers(1, 30))
-    events: list[tuple[str, int]] = []
-    alive: list[int] = []
-    sizes: list[int] = []
-    for i in range(n):
-        sizes.append(draw(st.integers(0, 5000)))
-        events.append(("alloc", i))
-        alive.append(i)
-        while alive and draw(st.booleans()):
-            events.append(("free", alive.pop(draw(st.integers(0, len(alive) - 1)))))
-    for i in alive:
-        if draw(st.booleans()):
-            events.append(("free", i))
-    alloc_at, free_at = [0] * n, [-1] * n
-    for tick, (kind, i) in enumerate(events):
-        (alloc_at if kind == "alloc" else free_at)[i] = tick
-    return Recording(sizes, alloc_at, free_at)
-
-
 @given(
-    _recordings(),
+    recordings(30),
     st.lists(st.tuples(st.integers(0, 200), st.integers(1, 100)), max_size=4),
     st.integers(0, 30_000),
 )
