@@ -258,9 +258,9 @@ def refuses_what_it_cannot_honour(rank: int, world: int) -> None:
 
     hooked = DDP(_mlp())
     hooked.register_comm_hook(None, allreduce_hook)  # type: ignore[arg-type]
+    # (An FSDP2 model trains: tests/test_fsdp.py; a pooled forward refuses it.)
     wrappers: dict[str, Callable[[], nn.Module]] = {
         "DataParallel": lambda: nn.DataParallel(_mlp()),
-        "fully_shard": lambda: fully_shard(_mlp()),
         "DistributedDataParallel (nested": lambda: nn.Sequential(DDP(_mlp())),
         "overrides forward": lambda: _OwnForward(_mlp()),
         "communication hook": lambda: hooked,
@@ -268,9 +268,10 @@ def refuses_what_it_cannot_honour(rank: int, world: int) -> None:
     for what, make in wrappers.items():
         with pytest.raises(TypeError, match="^sharedmem: .*" + re.escape(what)) as refused:
             sm.pooled_train_step(make(), nn.functional.mse_loss, pool=sm.BufferPool())
-        # Each names a way in: FSDP2 the eager step inside pool.step (tested below).
-        way = "pool.step(" if what == "fully_shard" else "DistributedDataParallel"
-        assert way in str(refused.value), str(refused.value)
+        assert "DistributedDataParallel" in str(refused.value), str(refused.value)  # a way in
+    with pytest.raises(TypeError, match=r"^sharedmem: .*fully_shard") as refused:
+        sm.pooled_forward(fully_shard(_mlp()), pool=sm.BufferPool())
+    assert "pool.step(" in str(refused.value), str(refused.value)
 
 
 def _grads_with_and_without_offload(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:

@@ -174,6 +174,166 @@ def pooled_fsdp2_equals_eager_on_four_ranks(rank: int, world: int) -> None:
     test_distributed.pool_step_around_eager_fsdp2_matches_it(rank, world)
 
 
+class _Block(nn.Sequential):
+    def __init__(self, width: int, inner: int) -> None:
+        super().__init__(nn.Linear(width, inner), nn.Tanh(), nn.Linear(inner, width))
+
+
+def _blocks(mesh: object, reshard: bool = True, *, blocks: int = 2, inner: int = 256) -> nn.Module:
+    # Blocks whose inner activations a checkpoint drops, a head; each block and the head a
+    # unit, then the root.
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Block(32, inner) for _ in range(blocks)), nn.Linear(32, 4))
+    for layer in model:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)  # type: ignore[arg-type]
+    return model
+
+
+def _eager_chunks(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Eager FSDP2 in ``chunks`` micro-batches: each loss weighted by its share of the batch,
+    gradient sync on the last only; the batch's loss."""
+    total = torch.zeros(())
+    n = x.shape[0]
+    for k, (xs, ys) in enumerate(zip(x.tensor_split(chunks), y.tensor_split(chunks), strict=True)):
+        model.set_requires_gradient_sync(k == chunks - 1)  # type: ignore[operator]
+        loss = nn.functional.mse_loss(model(xs), ys)
+        if chunks > 1:
+            loss = loss * (xs.shape[0] / n)
+        loss.backward()
+        total = loss.detach() if k == 0 else total + loss.detach()
+    return total
+
+
+def _grads_differ(eager: nn.Module, pooled: nn.Module, when: str) -> list[str]:
+    return [
+        f"{when}: {name}.grad differs from eager FSDP2's"
+        for (name, a), b in zip(eager.named_parameters(), pooled.parameters(), strict=True)
+        if not torch.equal(a.grad.full_tensor(), b.grad.full_tensor())  # a collective
+    ]
+
+
+STEP_CALLS = 3
+
+
+@case()
+def pooled_train_step_on_fsdp2_equals_eager(rank: int, world: int) -> None:
+    # sm.pooled_train_step on a model sharded per layer and at the root: eager FSDP2's loss and
+    # full gradients bit for bit over several steps, reshard_after_forward True and False,
+    # gradient accumulation by the user (set_requires_gradient_sync(False) on the first of two
+    # micro-batches), and a fixed chunk count (against eager FSDP2 in the same chunks: one
+    # reduce-scatter per step). Every call after the first of a signature follows its plan.
+    # Problems are collected: a rank stopping early would leave the others in a collective.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    problems: list[str] = []
+    for reshard, micro, chunks in ((True, 1, 1), (False, 2, 1), (True, 1, 2)):
+        eager, pooled = _blocks(mesh, reshard), _blocks(mesh, reshard)
+        pool = sm.BufferPool("cpu")
+        kwargs = {"chunks": chunks} if chunks > 1 else {}
+        step = sm.pooled_train_step(pooled, nn.functional.mse_loss, pool=pool, **kwargs)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, pooled)]
+        for i in range(STEP_CALLS):
+            when = f"reshard={reshard} micro-batches={micro} chunks={chunks} step {i}"
+            for opt in opts:
+                opt.zero_grad()
+            for k in range(micro):
+                torch.manual_seed(1000 * rank + 10 * i + k)  # every rank its own batch
+                x, y = torch.randn(16, 32), torch.randn(16, 4)
+                expected = _eager_chunks(eager, x, y, chunks) if micro == 1 else None
+                if expected is None:  # the user's own accumulation, on both sides
+                    for m in (eager, pooled):
+                        m.set_requires_gradient_sync(k == micro - 1)  # type: ignore[operator]
+                    expected = nn.functional.mse_loss(eager(x), y)
+                    expected.backward()
+                    expected = expected.detach()
+                loss = step(x, y)
+                if not torch.equal(loss, expected):
+                    problems.append(f"{when}: the loss of micro-batch {k} differs")
+            problems += _grads_differ(eager, pooled, when)
+            for opt in opts:
+                opt.step()
+        stats, last = pool.stats(), step.last_call
+        if stats.get("diverged_calls", 0) or not stats.get("arena_served_bytes"):
+            problems.append(f"reshard={reshard} chunks={chunks}: {stats}")
+        if last is None or last.chunks != chunks or "checked against its plan" not in last.measured:
+            problems.append(f"chunks={chunks}: the latest call's figures: {last}")
+    assert not problems, "\n".join(problems)
+
+
+@case(2)
+def fsdp2_budget_checkpoints_units_and_holds(rank: int, world: int) -> None:
+    # A budget between the sharded estimates of the step with its blocks' forwards
+    # checkpointed and of the least chunk count: no chunk count reaches it, so the step
+    # checkpoints the leaf units, in one chunk; its results equal eager FSDP2's
+    # (without checkpointing: the same ops on the same values) and its measured per-rank peak
+    # holds the budget. A budget below every choice is refused before running.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    # Four blocks: chunks keep every unit's unsharded gradient (as big as the parameters)
+    # between them, more than checkpointing keeps of one block's activations.
+    eager, pooled = _blocks(mesh, blocks=4, inner=512), _blocks(mesh, blocks=4, inner=512)
+    torch.manual_seed(rank)
+    x, y = torch.randn(64, 32), torch.randn(64, 4)
+    pool = sm.BufferPool("cpu")
+    probe = sm.pooled_train_step(pooled, nn.functional.mse_loss, pool=pool, budget=1)
+    policy = probe.budget_policy
+    assert policy is not None
+    leaves = ("0", "1", "2", "3", "4")
+    checkpointed = policy.estimate(x, y, 1, leaves)
+    chunked = min(policy.estimate(x, y, n, ()) for n in (1, 2, 4, 8, 16, 32, 64))
+    assert checkpointed < chunked, (checkpointed, chunked)
+    with pytest.raises(sm.OutOfMemoryError, match=r"^sharedmem: out of memory .* FSDP2"):
+        probe(x, y)  # refused before running: no collective started
+    assert all(p.grad is None for p in pooled.parameters())
+    budget = (checkpointed + chunked) // 2
+    step = sm.pooled_train_step(pooled, nn.functional.mse_loss, pool=pool, budget=budget)
+    problems: list[str] = []
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, pooled)]
+    for i in range(STEP_CALLS):
+        for opt in opts:
+            opt.zero_grad()
+        expected = _eager_chunks(eager, x, y, 1)
+        loss = step(x, y)
+        if not torch.equal(loss, expected):
+            problems.append(f"step {i}: the loss differs")
+        problems += _grads_differ(eager, pooled, f"step {i}")
+        last = step.last_call
+        if step.checkpointed != leaves or last is None or last.chunks != 1:
+            problems.append(f"step {i}: chose {step.last_choice}")
+        elif i and not last.held_budget:
+            problems.append(f"step {i}: {last.describe()}")
+        for opt in opts:
+            opt.step()
+    report = step.report()
+    if "checkpointed FSDP units" not in report or "held its budget" not in report:
+        problems.append(report)
+    assert not problems, "\n".join(problems)
+
+
+@case(2)
+def fsdp2_step_refuses_what_it_cannot_honour(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(layers[0], mesh=mesh)  # the root left unsharded
+    refused: list[tuple[nn.Module, dict[str, object], str]] = [
+        (layers, {}, "fully_shard applied to the model itself"),
+        (_blocks(mesh), {"recompute": sm.Recompute.MOST}, "give budget="),
+        (_blocks(mesh), {"plan": "per_node"}, "leave plan= out"),
+    ]
+    for model, kwargs, alternative in refused:
+        with pytest.raises((TypeError, ValueError), match=r"^sharedmem: ") as error:
+            sm.pooled_train_step(model, nn.functional.mse_loss, pool=sm.BufferPool(), **kwargs)
+        assert alternative in str(error.value), str(error.value)
+
+
 @case()
 def estimate_refuses_a_sharded_model(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
@@ -275,6 +435,24 @@ def test_sharded_estimate_bounds_the_measured_per_rank_peak(ranks: Ranks) -> Non
 @pytest.mark.parametrize("ranks", [FOUR], indirect=True)
 def test_pooled_fsdp2_step_equals_eager_fsdp2_on_four_ranks(ranks: Ranks) -> None:
     _check(ranks, "pooled_fsdp2_equals_eager_on_four_ranks")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks"), FOUR], indirect=True)
+def test_pooled_train_step_on_fsdp2_equals_eager_fsdp2(ranks: Ranks) -> None:
+    _check(ranks, "pooled_train_step_on_fsdp2_equals_eager")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks")], indirect=True)
+def test_a_budget_on_an_fsdp2_step_checkpoints_units_and_holds(ranks: Ranks) -> None:
+    _check(ranks, "fsdp2_budget_checkpoints_units_and_holds")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks")], indirect=True)
+def test_an_fsdp2_step_refuses_what_it_cannot_honour_naming_the_way(ranks: Ranks) -> None:
+    _check(ranks, "fsdp2_step_refuses_what_it_cannot_honour")
 
 
 @pytest.mark.timeout(600)

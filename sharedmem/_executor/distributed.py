@@ -18,8 +18,8 @@ copies the averaged values back into ``p.grad``.
 A wrapper whose semantics the pooled step cannot reproduce (FSDP, ``DataParallel``,
 ``replicate``, a DDP with communication hooks or mixed precision, a DDP subclass with its own
 ``forward``) is refused: running the inner module would give silently wrong gradients. An
-FSDP2 (``fully_shard``) model runs its eager step inside ``pool.step()`` instead
-(``fsdp.prepare_fsdp``).
+FSDP2 (``fully_shard``) model never reaches this module: ``sm.pooled_train_step`` runs its eager
+step inside ``pool.step()`` (``fsdp_step``); a pooled forward refuses it.
 """
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, Any]:
             if what.startswith("fully_shard"):
                 # Tested bit for bit against eager FSDP2 (tests/test_distributed.py).
                 eager = (
-                    "call sm.prepare_fsdp(model) once, then run its eager step inside "
-                    '`with pool.step("train", *inputs):`, which serves the step from the '
-                    "pool, FSDP2's all-gathers and reduce-scatters included, and gives eager "
-                    "FSDP2's gradients"
+                    "sm.pooled_train_step, which takes an FSDP2 model (sharded at the root) and "
+                    "runs its eager step served from the pool; elsewhere call "
+                    "sm.prepare_fsdp(model) once, then run it eagerly inside "
+                    '`with pool.step("eval", *inputs):`'
                 )
             raise TypeError(
                 f"sharedmem: {where} is wrapped by {what}, which a pooled step cannot honour "

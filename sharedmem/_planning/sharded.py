@@ -39,7 +39,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
 from .._errors import quiet_fake_tensor_failures
 from .._executor.calling import model_arguments
@@ -268,7 +268,7 @@ def sharded_train(
     modules = dict(model.named_modules())
     with quiet_fake_tensor_failures(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
         state: dict[str, torch.Tensor] = {
-            k: fake.from_tensor(t) for k, t in {**params, **buffers}.items()
+            k: _fake_of(fake, t) for k, t in {**params, **buffers}.items()
         }
         fake_in = pytree.tree_map(_faker(fake), inputs)
         fake_targets = pytree.tree_map(_faker(fake), targets)
@@ -293,9 +293,12 @@ def sharded_train(
             live,
             _hooks(modules, sim_units, sim),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            # The fakes stay the module's through backward, where a checkpointed forward
+            # (a pooled FSDP2 step's budget asks about one) is computed again.
+            _reparametrize_module(model, state, tie_weights=True),
         ):
             args, kwargs = model_arguments(fake_in)
-            output = functional_call(model, state, args, kwargs)
+            output = model(*args, **kwargs)
             loss = call_loss_fn(loss_fn, output, fake_targets)
             if loss.requires_grad:
                 loss.backward()
@@ -321,6 +324,16 @@ def sharded_train(
         for t in state.values():
             t.grad = None
     return result
+
+
+def _fake_of(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """A fake of ``t``; of a parameter ``fully_shard`` already sharded (a DTensor), a plain
+    fake of its full shape (a pooled FSDP2 step's budget estimates the sharded model)."""
+    if hasattr(t, "full_tensor"):
+        with fake:
+            full = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return full.requires_grad_(t.requires_grad)
+    return fake.from_tensor(t)
 
 
 class _Freeing(list[torch.Tensor]):

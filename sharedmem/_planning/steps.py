@@ -16,12 +16,15 @@ import torch
 from torch import nn
 
 from .._executor import PooledForward, PooledTrainStep
+from .._executor.fsdp import fsdp_modules
+from .._executor.fsdp_step import ShardedTrainStep
 from .._executor.policy import Recompute
 from .._pool import BufferPool
 from .._validate import check_loss_fn
 from .arguments import policy_of
 from .chunking import Chunks
 from .fit import EagerFitStep, ForwardBudget, TrainBudget
+from .fsdp_budget import sharded_train_step
 
 __all__ = ["fit_eager_step", "fit_step", "pooled_forward", "pooled_train_step"]
 
@@ -37,7 +40,7 @@ def pooled_train_step(
     chunks: int | Chunks | None = None,
     recompute: Recompute | None = None,
     **deprecated: Any,
-) -> PooledTrainStep:
+) -> PooledTrainStep | ShardedTrainStep:
     """Make a train step that runs ``model`` as an ATen graph with activations in ``pool``.
 
     ``loss = step(inputs, targets)`` does what
@@ -107,8 +110,18 @@ def pooled_train_step(
 
     A ``DistributedDataParallel`` model (one pool per rank) gets its gradients averaged as
     DDP averages them, by its process group and buckets, skipped under ``ddp.no_sync()``;
-    each bucket's all-reduce starts as soon as its gradients are final. Wrappers whose
-    communication the step would skip (FSDP, ``DataParallel``) raise ``TypeError``.
+    each bucket's all-reduce starts as soon as its gradients are final. A model sharded with
+    ``fully_shard`` (FSDP2; per layer and at the root) is not traced: the step (a
+    ``ShardedTrainStep``) prepares it once (``sm.prepare_fsdp``) and runs each call as eager
+    FSDP2 runs it, inside ``pool.step()``, so FSDP2's hooks fire and its all-gather and
+    reduce-scatter buffers are served from the arena: losses and ``p.grad.full_tensor()``
+    equal eager FSDP2's bit for bit (a ``set_requires_gradient_sync(False)`` the user set is
+    kept). Its budget runs chunks under ``set_requires_gradient_sync(False)`` but the last
+    (one reduce-scatter per step), and where chunks alone do not reach the budget,
+    checkpoints every leaf FSDP unit's forward (``torch.utils.checkpoint`` inside the unit),
+    chosen from the sharded estimate; its results equal eager FSDP2 run in the same chunks.
+    ``recompute=`` and ``plan=`` are refused there. Wrappers whose communication the step
+    would skip (FSDP1, ``DataParallel``) raise ``TypeError``.
 
     **Three questions, three arguments.** A call reads as its job: ``budget=`` (how much
     memory the step may hold), ``chunks=`` (how a batch is cut into micro-batches: a count,
@@ -211,6 +224,12 @@ def pooled_train_step(
         (torch.Size([]), torch.Size([8, 4]))
     """
     policy = policy_of("pooled_train_step", budget, chunks, recompute, deprecated)
+    if isinstance(model, nn.Module) and fsdp_modules(
+        model
+    ):  # FSDP2: its eager step in pool.step(), its hooks firing
+        return sharded_train_step(
+            model, loss_fn, pool=pool, plan=plan, prefix=prefix, policy=policy
+        )
     fixed = Recompute.OFF if policy.budgeted or policy.recompute is None else policy.recompute
     step = PooledTrainStep(model, loss_fn, pool, plan, prefix, recompute=fixed)
     if policy.budgeted:
