@@ -36,7 +36,6 @@ from .._validate import check_loss_fn
 from .calling import OwnLoss, call_model, check_targets, plain_mapping
 from .fsdp import fsdp_modules, prepare_fsdp
 from .plan import PlanSummary
-from .policy import Recompute
 from .step import CallFigures
 
 __all__ = ["ShardedChoice", "ShardedPolicy", "ShardedTrainStep", "checkpointing", "leaf_units"]
@@ -265,7 +264,6 @@ class ShardedTrainStep:
             measured_peak=measured,
             measured=how,
             chunks=choice.chunks,
-            recompute=Recompute.MOST if choice.checkpointed else Recompute.OFF,
             budget=budget,
             budget_counted=self.pool.stats()["device_reserved_bytes"] + beside,
         )
@@ -278,7 +276,9 @@ class ShardedTrainStep:
         return None if self.budget_policy is None else self.budget_policy.budget
 
     def chunks_for(self, inputs: object, targets: object = None) -> int:
-        """The chunks a call with these inputs runs in (1 without a budget or count)."""
+        """The chunks a call with these inputs runs in (1 without a budget or count); chosen
+        now if no call of that signature chose yet, with every rank of the mesh (call it on
+        every rank: the ranks agree on one choice)."""
         if self.budget_policy is None:
             return 1
         return self.budget_policy.choose(plain_mapping(inputs), targets).chunks
@@ -292,11 +292,6 @@ class ShardedTrainStep:
     def checkpointed(self) -> tuple[str, ...]:
         """The FSDP units whose forward the latest call computed again in backward."""
         return self.last_choice.checkpointed
-
-    @property
-    def recompute(self) -> Recompute:
-        """``Recompute.MOST`` where the latest call checkpointed units, else ``OFF``."""
-        return Recompute.MOST if self.last_choice.checkpointed else Recompute.OFF
 
     @property
     def recomputing(self) -> bool:

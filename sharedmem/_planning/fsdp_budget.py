@@ -31,7 +31,22 @@ from .fit import signature
 from .live import round_for
 from .sharded import sharded_train
 
-__all__ = ["ShardedBudget", "without_fsdp_hooks"]
+__all__ = ["ShardedBudget", "sharded_train_step", "without_fsdp_hooks"]
+
+# A choice as one number the ranks can reduce (the larger, the more frugal in the search's
+# order: chunks first, then checkpointing with chunks): checkpointed * _CHUNKS + chunks.
+_CHUNKS = 1 << 20
+_FAILED = 1 << 40
+
+
+class _Failed(ShardedChoice):
+    """The least a rank's search found, none fitting its budget."""
+
+
+def _ordinal(choice: ShardedChoice) -> int:
+    if isinstance(choice, _Failed):
+        return _FAILED
+    return (_CHUNKS if choice.checkpointed else 0) + choice.chunks
 
 
 @contextlib.contextmanager
@@ -86,7 +101,9 @@ class ShardedBudget:
         self.reduction, _ = reduction_of(step.loss_fn, reduction)
         self._choices: dict[tuple[object, ...], ShardedChoice] = {}
         self._labels: dict[str, ShardedChoice] = {}
-        self._world = torch.distributed.get_world_size()
+        mesh = step._groups[0].mesh_info if step._groups else None
+        self._world = torch.distributed.get_world_size() if mesh is None else mesh.shard_mesh_size
+        self._group = None if mesh is None else mesh.shard_process_group
         params = list(step.model.parameters())
         self._device = params[0].device if params else torch.device("cpu")
         self._units = [p for p, _ in fsdp_modules(step.model) if p] + [""]
@@ -117,9 +134,9 @@ class ShardedBudget:
         if choice is None:
             examples = self.splitter.examples(inputs, targets)
             if self.fixed is not None:
-                choice = ShardedChoice(min(self.fixed, examples))
+                choice = self._agreed(inputs, targets, ShardedChoice(min(self.fixed, examples)))
             else:
-                choice = self._search(inputs, targets, examples)
+                choice = self._agreed(inputs, targets, self._search(inputs, targets, examples))
             self._choices[key] = choice
             label = " ".join(
                 str(tuple(t.shape))
@@ -147,11 +164,52 @@ class ShardedBudget:
                         return choice
                     if least is None or peak < (least.estimated_peak or 0):
                         least = choice
-        assert least is not None and least.estimated_peak is not None
+        assert least is not None
+        return _Failed(least.chunks, least.checkpointed, least.estimated_peak)
+
+    def _agreed(self, inputs: object, targets: object, choice: ShardedChoice) -> ShardedChoice:
+        """The one choice every rank of the mesh runs (each forward and backward gathers
+        collectively, so all must run the same chunks): the most frugal of the ranks' own
+        choices (their budgets, or batches, may differ), checked against this rank's budget;
+        where one rank cannot fit, every rank refuses before running."""
+        ordinal = self._most(_ordinal(choice))
+        if ordinal < _FAILED and ordinal != _ordinal(choice):  # another rank's choice
+            checkpointed = tuple(self._leaves) if ordinal >= _CHUNKS else ()
+            choice = ShardedChoice(ordinal % _CHUNKS, checkpointed)
+            budget = self.budget_bytes()
+            if budget is not None:
+                peak = self.estimate(inputs, targets, choice.chunks, checkpointed)
+                fits = peak <= budget
+                choice = (ShardedChoice if fits else _Failed)(choice.chunks, checkpointed, peak)
+        if self.budget is not None and ordinal < _FAILED:  # does it fit every rank?
+            ordinal = self._most(_ordinal(choice) if isinstance(choice, _Failed) else ordinal)
+        if ordinal >= _FAILED:
+            self._refuse(choice)
+        return choice
+
+    def _most(self, value: int) -> int:
+        """The largest of every rank's ``value``."""
+        reduced = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(reduced, torch.distributed.ReduceOp.MAX, group=self._group)
+        return int(reduced.item())
+
+    def _refuse(self, least: ShardedChoice) -> None:
+        budget = self.budget_bytes() or 0
+        if not isinstance(least, _Failed) or least.estimated_peak is None:
+            raise OutOfMemoryError(
+                0, 0, budget, str(self._device),
+                summary=(
+                    f"sharedmem: out of memory on {self._device} before running: another rank "
+                    "of the mesh cannot fit this FSDP2 step in its budget (each runs the same "
+                    "chunks). Nothing ran. To go on: give every rank the same budget, raise it, "
+                    "or shrink an example"
+                ),
+            )  # fmt: skip
+        chunks = f"{least.chunks} chunk{'s' if least.chunks > 1 else ''}"
         summary = (
             f"sharedmem: out of memory on {self._device} before running: this FSDP2 step "
             f"needs {human_bytes(least.estimated_peak)} per rank at the least ("
-            f"{least.chunks} chunks"
+            f"{chunks}"
             + (", every leaf unit's forward checkpointed" if least.checkpointed else "")
             + f"), more than the budget of {human_bytes(budget)}. Nothing ran. To go on: "
             "raise the budget, shard over more ranks, or shrink an example"
