@@ -14,8 +14,8 @@ parameters' bytes, allocated outside the step), for the pooled step the pool's
 ``reserved_bytes`` (activation slots and the same buckets).
 
 FSDP2: the same models sharded with ``fully_shard`` (each child with parameters, then the
-root), prepared by ``sm.prepare_fsdp``, their eager step inside ``pool.step()`` against the
-same step of eager FSDP2; memory as above, the pooled step's plus the pool's ``reserved_bytes``
+root), trained by ``sm.pooled_train_step`` (their eager step inside ``pool.step()``) against
+the same step of eager FSDP2; memory as above, the pooled step's plus the pool's ``reserved_bytes``
 (its arena), and the share of the step's dying bytes the arena served per call.
 
 Before sharding anything, ``sm.estimate(..., world_size=2)`` says what each rank's eager FSDP2
@@ -116,7 +116,7 @@ def _measure_fsdp(rank: int, name: str, quick: bool) -> dict[str, float]:
     _, make, data, _ = next(case for case in CASES if case[0] == name)
     mesh = init_device_mesh("cpu", (WORLD,))
     eager = _sharded(make, mesh)
-    pooled = sm.prepare_fsdp(_sharded(make, mesh))
+    pooled = _sharded(make, mesh)
     torch.manual_seed(rank)  # every rank its own batch
     x, y = data(16 if quick else 32)
     loss_fn = nn.functional.cross_entropy
@@ -128,6 +128,7 @@ def _measure_fsdp(rank: int, name: str, quick: bool) -> dict[str, float]:
     ).sharded  # fmt: skip
     assert estimated is not None
     pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(pooled, loss_fn, pool=pool)  # its eager step, from the pool
 
     def eager_step() -> None:
         eager.zero_grad()
@@ -135,8 +136,7 @@ def _measure_fsdp(rank: int, name: str, quick: bool) -> dict[str, float]:
 
     def pooled_step() -> None:
         pooled.zero_grad()
-        with pool.step("train", x, y):
-            loss_fn(pooled(x), y).backward()
+        step(x, y)
 
     rounds, number = (5, 3) if quick else (21, 5)
     times = interleaved({"eager": eager_step, "pooled": pooled_step}, rounds=rounds, number=number)
@@ -154,11 +154,7 @@ def _measure_fsdp(rank: int, name: str, quick: bool) -> dict[str, float]:
 
     eager_peak = peak(eager, lambda: loss_fn(eager(x), y).backward())
 
-    def pooled_backward() -> None:
-        with pool.step("train", x, y):
-            loss_fn(pooled(x), y).backward()
-
-    pooled_peak = peak(pooled, pooled_backward) + pool.stats()["reserved_bytes"]
+    pooled_peak = peak(pooled, lambda: step(x, y)) + pool.stats()["reserved_bytes"]
     stats = pool.stats()
     calls = max(stats.get("replayed_calls", 0), 1)
     return {

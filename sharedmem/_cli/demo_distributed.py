@@ -83,8 +83,9 @@ def run_distributed_demo(config: DemoConfig, *, fsdp: bool = False) -> int:
     0, or 1 when a loss is not finite, the pooled losses differ from eager DDP's, or an
     evaluation at a batch no larger than training's added bytes on some rank.
 
-    ``fsdp``: shard the model with ``fully_shard`` (FSDP2) instead, run its eager step inside
-    ``pool.step()`` beside eager FSDP2, and require the same losses bit for bit."""
+    ``fsdp``: shard the model with ``fully_shard`` (FSDP2) instead, train it with
+    ``pooled_train_step`` (its eager step served from the pool) beside eager FSDP2, and require
+    the same losses bit for bit."""
     if fsdp and config.device != "cpu":
         raise SharedMemError(
             "sharedmem: demo --distributed --fsdp runs on CPU ranks (gloo) for now; drop "
@@ -172,12 +173,11 @@ def _train(config: DemoConfig, rank: int, world: int, device: str) -> str | None
 
 
 def _train_fsdp(config: DemoConfig, rank: int, world: int, device: str) -> str | None:
-    """The FSDP2 run on this rank: the MLP sharded per layer and at the root, its eager step
-    inside ``pool.step()`` beside the same model trained by eager FSDP2; returns what failed."""
+    """The FSDP2 run on this rank: the MLP sharded per layer and at the root, trained by
+    ``pooled_train_step`` (its eager step inside ``pool.step()``) beside the same model trained
+    by eager FSDP2; returns what failed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from .._executor.fsdp import prepare_fsdp
 
     mesh = init_device_mesh(device, (world,))
     models = []
@@ -190,25 +190,24 @@ def _train_fsdp(config: DemoConfig, rank: int, world: int, device: str) -> str |
         fully_shard(model, mesh=mesh)
         models.append(model)
     pooled, eager = models
-    prepare_fsdp(pooled)
     pool = BufferPool(device)
     loss_fn = nn.functional.cross_entropy
+    step = pooled_train_step(pooled, loss_fn, pool=pool)
     opts = [torch.optim.SGD(m.parameters(), lr=config.lr) for m in (pooled, eager)]
     data = SyntheticData(DemoConfig(**{**config.__dict__, "seed": config.seed + rank}))
     say: Callable[..., None] = print if rank == 0 else (lambda *a, **k: None)
     say(
         f"distributed demo (FSDP2): {world} ranks ({dist.get_backend()}), the MLP "
         f"{config.features}-{config.hidden}-{config.hidden}-{config.classes} sharded per layer "
-        f"and at the root, batch {config.train_batch} per rank; pool.step() against eager FSDP2"
+        f"and at the root, batch {config.train_batch} per rank; pooled_train_step against "
+        "eager FSDP2"
     )
     differs = 0
     for index in range(config.steps):
         x, y = data.batch(config.train_batch)
         for opt in opts:
             opt.zero_grad()
-        with pool.step("train", x, y):
-            loss = loss_fn(pooled(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]
+        loss = step(x, y)
         expected = loss_fn(eager(x), y)
         expected.backward()  # type: ignore[no-untyped-call]
         differs += int(not torch.equal(loss.detach(), expected.detach()))
@@ -230,7 +229,7 @@ def _train_fsdp(config: DemoConfig, rank: int, world: int, device: str) -> str |
     gathered: list[tuple[int, ...] | None] = [None] * world
     dist.all_gather_object(gathered, mine)
     say("per rank, one step (the pool's peak: its arena plus the most bytes beside it):")
-    say(f"  {'rank':>4}  {'eager FSDP2':>12}  {'pool.step':>10}  {'from the pool':>14}  losses")
+    say(f"  {'rank':>4}  {'eager FSDP2':>12}  {'pooled':>10}  {'from the pool':>14}  losses")
     for f in (g for g in gathered if g is not None):
         same = "equal" if f[5] == 0 else f"{f[5]} differ"
         say(

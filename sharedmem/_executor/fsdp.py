@@ -52,6 +52,8 @@ def prepare_fsdp(model: nn.Module) -> nn.Module:
 
     A step without it still gives eager FSDP2's results, but its plan breaks whenever a
     collective's buffer outlives the step's next allocation, and is recorded anew.
+    ``sm.pooled_train_step`` on an FSDP2 model calls it and runs the ``pool.step()`` block for
+    you (with a budget, in chunks and checkpointing units).
 
     Args:
         model: the model, after ``fully_shard`` was applied to it (and its layers).
