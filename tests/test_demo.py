@@ -177,9 +177,11 @@ def test_distributed_fsdp_demo_matches_eager_fsdp2_on_two_ranks(
     assert "add --distributed" in capsys.readouterr().err
 
 
-def test_cli_without_a_command_says_how_to_use_it() -> None:
-    done = subprocess.run([sys.executable, "-m", "sharedmem"], capture_output=True, text=True)
-    assert done.returncode == 2 and "usage: sharedmem" in done.stderr
+def test_cli_without_a_command_says_how_to_use_it(capsys: pytest.CaptureFixture[str]) -> None:
+    # In this process: `python -m sharedmem` itself is test_python_m_sharedmem_demo_runs's.
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    assert exit_.value.code == 2 and "usage: sharedmem" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
