@@ -69,7 +69,7 @@ def test_the_first_loss_is_near_a_uniform_guess_and_short_runs_succeed(
     # about ln(10) = 2.30, not a dozen; one step and three steps are runs like any other.
     result = run_demo(DemoConfig(steps=1), verbose=False, fit=False)  # the first part's loss
     assert abs(result["losses"][0] - 2.3026) < 0.1
-    assert main(["demo", "--steps", "1"]) == 0  # three steps: test_python_m_sharedmem_demo_runs
+    assert main(["demo", "--steps", "1"]) == 0  # more steps: test_demo_shares_the_pool_and_learns
     assert "sharedmem: demo failed" not in capsys.readouterr().err
 
 
@@ -118,10 +118,10 @@ def test_demo_help_explains_every_option_with_its_default(
 
 
 def test_python_m_sharedmem_demo_runs() -> None:
-    # A short run (3 steps: the third part trains at 8 times the batch, 2 CPU s a step); a
+    # A short run (1 step: the third part trains at 8 times the batch, 2 CPU s a step); a
     # whole run, learning included, is test_demo_shares_the_pool_and_learns's.
     done = subprocess.run(
-        [sys.executable, "-m", "sharedmem", "demo", "--steps", "3", "--device", "emulated"],
+        [sys.executable, "-m", "sharedmem", "demo", "--steps", "1", "--device", "emulated"],
         capture_output=True,
         text=True,
         check=True,
@@ -229,9 +229,9 @@ def test_demo_config_says_what_is_wrong(field: str, value: object, error: type[E
 
 def test_demo_reports_progress_after_every_step() -> None:
     heard: list[str] = []
-    run_demo(DemoConfig(steps=3, eval_every=3), verbose=False, progress=heard.append)
+    run_demo(DemoConfig(steps=2, eval_every=2), verbose=False, progress=heard.append)
     assert heard == [
-        *(f"per-net allocation, step {k}/3" for k in (1, 2, 3)),
-        *(f"one shared pool, step {k}/3" for k in (1, 2, 3)),
-        *(f"under half the memory, step {k}/3" for k in (1, 2, 3)),
+        *(f"per-net allocation, step {k}/2" for k in (1, 2)),
+        *(f"one shared pool, step {k}/2" for k in (1, 2)),
+        *(f"under half the memory, step {k}/2" for k in (1, 2)),
     ]
