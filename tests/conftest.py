@@ -8,10 +8,12 @@ import gc
 import importlib.util
 import os
 import random
+import re
 import signal
 import threading
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -166,11 +168,39 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(f"{count:>5}  {reason}")
 
 
+# The longest tests' durations, and what a slow-tier test missing from it is taken to last.
+DURATIONS = Path(__file__).with_name("durations.txt")
+_SLOW_TIER_S = 30.0
+
+
+def _plain(nodeid: str) -> str:
+    """``nodeid`` without the ``@group`` pytest-xdist adds to a test of an xdist_group."""
+    return re.sub(r"@[\w.-]+$", "", nodeid)
+
+
+def known_durations(path: Path = DURATIONS) -> dict[str, float]:
+    """Seconds per test id of ``durations.txt`` (lines as ``pytest --durations`` prints them:
+    ``12.34s call     tests/test_x.py::test_y``; a setup and a call of one test add up)."""
+    seconds: dict[str, float] = collections.defaultdict(float)
+    for line in path.read_text().splitlines():
+        found = re.fullmatch(r"\s*([\d.]+)s\s+(?:setup|call|teardown)\s+(\S.*?)\s*", line)
+        if found:
+            seconds[_plain(found[2])] += float(found[1])
+    return dict(seconds)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tier first, each file's order kept otherwise: pytest-xdist hands tests out in
-    this order, so the longest runs start while the short ones fill in beside them, instead
-    of one of them (the model sweep of test_zoo, the last file) running alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The longest tests first (durations.txt; the slow tier's unlisted ones as 30 s), each
+    file's order kept otherwise: pytest-xdist hands tests out in this order, so the long runs
+    start while the short ones fill in beside them, instead of one of them (the recurrent
+    models of test_zoo, the last file) running alone at the end."""
+    known = known_durations()
+
+    def seconds(item: pytest.Item) -> float:
+        default = _SLOW_TIER_S if item.get_closest_marker("slow") else 0.0
+        return known.get(_plain(item.nodeid), default)
+
+    items.sort(key=lambda item: -seconds(item))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -65,7 +65,9 @@ def test_demo_plot_option_writes_the_timeline(tmp_path: Path) -> None:
     from sharedmem._cli.demo import DemoConfig, run_demo
 
     target = tmp_path / "demo.png"
-    run_demo(DemoConfig(steps=10, eval_every=5), verbose=False, plot=str(target))
+    # The timeline is the shared pool's (the second part), written before the third part:
+    # two steps with an evaluation after each draw it.
+    run_demo(DemoConfig(steps=2, eval_every=1), verbose=False, fit=False, plot=str(target))
     assert target.read_bytes()[:4] == b"\x89PNG"
 
 
