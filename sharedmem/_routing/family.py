@@ -166,11 +166,15 @@ def banks(sizes: np.ndarray, outliving: Collection[int], capacity: int) -> tuple
         >>> banks(np.array([4, 1 << 20, 100, 8]), [0, 1, 2], capacity=1 << 22)
         ([0, 2], 192)
     """
-    kept = sorted(i for i in outliving if 0 < sizes[i] <= BANK_ITEM)
-    total = int(_aligned(sizes[kept]).sum()) if kept else 0
+    if not outliving:
+        return [], 0
+    at = np.sort(np.fromiter(outliving, dtype=np.int64))
+    small = sizes[at]
+    at = at[(small > 0) & (small <= BANK_ITEM)]
+    total = int(_aligned(sizes[at]).sum())
     if not total or total > BANK_BYTES or 2 * total > capacity:
         return [], 0
-    return kept, total
+    return at.tolist(), total
 
 
 def _bank(fences: Fences, bank: int) -> tuple[int, list[tuple[int, int]]]:
