@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import recordings
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import sharedmem as sm
+from sharedmem._executor.executor import derive, size_rule
+from sharedmem._routing.family import SharedPlans, banks
+from sharedmem._routing.plan import Fences, Recording, RoutePlan, choose_plan, placeable
 
 
 class TinyLM(nn.Module):
@@ -209,3 +216,80 @@ def test_a_symbolic_trace_running_other_ops_falls_back() -> None:
     pool = run_both(Recurrent(), [(2, 7), (2, 5), (2, 6)])
     assert captures(pool) == (4, 0)
     assert pool.stats()["symbolic_fallbacks"] == 1
+
+
+def _disjoint(rec: Recording, plan: RoutePlan, fences: list[tuple[int, int]]) -> None:
+    """No two allocations of ``rec`` live at one tick share a byte of ``plan`` (every placed
+    one on the 64-byte grid, within ``plan.need``), nor any byte of ``fences``."""
+    placed = [
+        (rec.alloc_at[i], rec.free_at[i], off, off + rec.sizes[i])
+        for i, off in enumerate(plan.offsets)
+        if off >= 0 and rec.sizes[i] > 0
+    ]
+    assert all(off % 64 == 0 and top <= plan.need for _, _, off, top in placed)
+    for k, (s1, e1, lo1, hi1) in enumerate(placed):
+        assert all(hi1 <= low or high <= lo1 for low, high in fences), (lo1, hi1, fences)
+        for s2, e2, lo2, hi2 in placed[k + 1 :]:
+            if s1 < e2 and s2 < e1:
+                assert hi1 <= lo2 or hi2 <= lo1
+
+
+@given(recordings(), st.lists(st.floats(0.0, 1.0), min_size=2, max_size=6))
+def test_the_loss_held_from_the_last_call_takes_the_other_bank_not_another_plan(
+    rec: Recording, scales: list[float]
+) -> None:
+    # The family's sequence with a 4-byte loss outliving every call: the user holds the
+    # previous loss (a fence) while the next runs. Every size the envelope covers is served
+    # by the envelope's one plan, the loss alternating between the two banks, and no
+    # allocation touches the held loss.
+    rec = Recording([*rec.sizes, 4], [*rec.alloc_at, 0], [*rec.free_at, -1])
+    outliving = [i for i, f in enumerate(rec.free_at) if f < 0 and rec.sizes[i] > 0]
+    spread = placeable(rec, outliving)
+    family = SharedPlans()
+
+    def make(sequence: Recording, fences: Fences = ()) -> RoutePlan:
+        return choose_plan(sequence, capacity=1 << 20, granularity=4096, fences=fences)
+
+    held: list[tuple[int, int]] = []
+    loss_at = []
+    for k, scale in enumerate([1.0, *scales]):
+        sizes = [
+            n if k == 0 or i == len(rec.sizes) - 1 else int(n * scale)
+            for i, n in enumerate(spread.sizes)
+        ]
+        sized = Recording(sizes, spread.alloc_at, spread.free_at)
+        got = family.plan(
+            sized, capacity=1 << 20, fences=held, grow=not held, make=make, outliving=outliving
+        )
+        _disjoint(sized, got.plan, held)
+        loss = got.plan.offsets[-1]
+        loss_at.append(loss)
+        held = [(loss, loss + 4)]
+    kept, bank = banks(np.asarray(spread.sizes), outliving, 1 << 20)
+    assert bank > 0 and len(rec.sizes) - 1 in kept
+    # one plan, made at the first call: the later ones (each around the last one's loss)
+    # reuse it, the loss in the first bank, then the second, then the first ...
+    assert family.made == 1
+    assert loss_at[0] < bank
+    assert loss_at == [loss_at[0] + (bank if k % 2 else 0) for k in range(len(loss_at))]
+
+
+def test_a_new_size_follows_the_rule_of_the_recorded_sizes() -> None:
+    ticks = ([0, 1, 2], [3, 4, 5])
+
+    def at(t: int, sizes: list[int]) -> tuple[list[int], Recording]:
+        # candidates at length t: 32t, 8t, and t*t (equal to 8t at t = 8)
+        return [32 * t, 8 * t, t * t], Recording(sizes, *ticks)
+
+    # allocations: 32t bytes, 64 fixed, 8t; recorded at 5 and 7
+    rule = size_rule([at(5, [160, 64, 40]), at(7, [224, 64, 56])])
+    assert rule is not None
+    assert derive([32 * 11, 8 * 11, 121], rule) == Recording([352, 64, 88], *ticks)
+    # recorded at 8 alone, the third allocation is 8t or t*t: ambiguous at any other length
+    alone = size_rule([at(8, [256, 64, 64])])
+    assert derive([32 * 8, 64, 64], alone) is not None
+    assert derive([32 * 9, 72, 81], alone) is None
+    # an allocation no candidate explains that changed size, or another sequence: no rule
+    assert size_rule([at(5, [160, 64, 40]), at(7, [224, 65, 56])]) is None
+    other = Recording([224, 64, 56], [0, 2, 1], [3, 4, 5])
+    assert size_rule([at(5, [160, 64, 40]), ([224, 56, 49], other)]) is None

@@ -134,6 +134,11 @@ class Family:
     derived: set[int] = dataclasses.field(default_factory=set)  # ids of derived recordings
     # per key of ``built``: the plans its routes share (one plan for every size)
     plans: dict[tuple[object, ...], SharedPlans] = dataclasses.field(default_factory=dict)
+    # per key of ``built``: the recordings a ``size_rule`` was made from, and that rule (how
+    # a new size's allocations follow its sizes)
+    rules: dict[tuple[object, ...], tuple[list[Recording], SizeRule | None]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 class Mode(NamedTuple):
@@ -419,7 +424,7 @@ class Executor:
             return None
         self.pool.count("symbolic_captures", 1)
         found.dims, found.traced, found.built, found.routes = dims, traced, {}, {}
-        found.plans = {}
+        found.plans, found.rules = {}, {}
         return self._instance(found, traced, tail, label, build, data)
 
     def first_of(self, family: tuple[object, ...] | None, traced: Traced) -> None:
@@ -465,14 +470,20 @@ class Executor:
         if compiled.route is not None and traced.sizes is not None:
             sizes = traced.sizes(data)
             routes = family.routes.setdefault(tail, [])
-            recording = derive(
-                sizes,
-                [
-                    (s, r.recording)
-                    for s, r in routes
-                    if r.recording is not None and id(r.recording) not in family.derived
-                ],
-            )
+            recorded = [
+                (s, r.recording)
+                for s, r in routes
+                if r.recording is not None and id(r.recording) not in family.derived
+            ]
+            # The rule is made again only when the recordings it stands on change.
+            made = family.rules.get(tail)
+            if (
+                made is None
+                or len(made[0]) != len(recorded)
+                or any(a is not b for a, (_, b) in zip(made[0], recorded, strict=True))
+            ):
+                made = family.rules[tail] = ([r for _, r in recorded], size_rule(recorded))
+            recording = derive(sizes, made[1])
             if recording is not None:
                 family.derived.add(id(recording))
                 compiled.route.derive(recording)
@@ -766,13 +777,21 @@ def data_family(*trees: Leaves) -> tuple[object, ...] | None:
     return tuple(key)
 
 
-def derive(sizes: list[int], recorded: list[tuple[list[int], Recording]]) -> Recording | None:
-    """The allocation sequence of a call at another size of a symbolic graph, from those
-    recorded at other sizes: each recorded allocation's size is matched against the graph's
-    candidate sizes at that call's size (``Traced.sizes``; an allocation no candidate
-    matches is taken as fixed), and evaluated at this size. ``None`` where nothing was
-    recorded, the sequences differ between sizes, or an allocation's size is ambiguous
-    (candidates that match every recording disagree here): that call is recorded."""
+class SizeRule(NamedTuple):
+    """How each allocation of a symbolic graph's call follows its sizes: per allocation, the
+    candidate sizes (``Traced.sizes``) it matched at every recorded size, or none where its
+    size is fixed (``fixed``). Made once per set of recordings, applied at every new size."""
+
+    matched: tuple[tuple[int, ...], ...]
+    fixed: tuple[int, ...]  # per allocation, its size where no candidate matched (else -1)
+    alloc_at: Sequence[int]
+    free_at: Sequence[int]
+
+
+def size_rule(recorded: list[tuple[list[int], Recording]]) -> SizeRule | None:
+    """The ``SizeRule`` of the recordings of a symbolic graph at other sizes (``recorded``:
+    each with the candidate sizes at its size): ``None`` where nothing was recorded, the
+    sequences differ between sizes, or an allocation no candidate matches changed size."""
     if not recorded:
         return None
     first = recorded[0][1]
@@ -784,24 +803,50 @@ def derive(sizes: list[int], recorded: list[tuple[list[int], Recording]]) -> Rec
         for c, size in enumerate(candidates):
             found.setdefault(size, set()).add(c)
         where.append(found)
-    out: list[int] = []
+    matched: list[tuple[int, ...]] = []
+    fixed: list[int] = []
     for i in range(len(first.sizes)):
-        matched: set[int] | None = None
+        common: set[int] | None = None
         for found, (_, r) in zip(where, recorded, strict=True):
             here = found.get(r.sizes[i], set())
-            matched = here if matched is None else matched & here
-        guesses = {sizes[c] for c in matched or ()}
-        if not guesses:
-            if len({r.sizes[i] for _, r in recorded}) != 1:
+            common = here if common is None else common & here
+        if common:
+            matched.append(tuple(sorted(common)))
+            fixed.append(-1)
+            continue
+        if len({r.sizes[i] for _, r in recorded}) != 1:
+            return None
+        matched.append(())
+        fixed.append(first.sizes[i])
+    return SizeRule(tuple(matched), tuple(fixed), first.alloc_at, first.free_at)
+
+
+def derive(sizes: list[int], rule: SizeRule | None) -> Recording | None:
+    """The allocation sequence of a call at another size of a symbolic graph (``sizes``: its
+    candidate sizes there), by ``rule``: each allocation's matched candidates evaluated at
+    this size. ``None`` where there is no rule or an allocation's size is ambiguous
+    (candidates that matched every recording disagree here): that call is recorded.
+
+    Example::
+
+        >>> from sharedmem._executor.executor import derive, size_rule
+        >>> from sharedmem._routing.plan import Recording
+        >>> # two recordings: the first allocation is 4t bytes (candidate 0), the second fixed
+        >>> rule = size_rule([([32, 8], Recording([32, 64], [0, 1], [2, 3])),
+        ...                   ([48, 12], Recording([48, 64], [0, 1], [2, 3]))])
+        >>> derive([80, 20], rule).sizes
+        [80, 64]
+    """
+    if rule is None:
+        return None
+    out: list[int] = []
+    for matched, size in zip(rule.matched, rule.fixed, strict=True):
+        if matched:
+            size = sizes[matched[0]]
+            if any(sizes[c] != size for c in matched[1:]) or size < 0:
                 return None
-            guesses = {first.sizes[i]}
-        if len(guesses) != 1:
-            return None
-        (size,) = guesses
-        if size < 0:
-            return None
         out.append(size)
-    return Recording(out, first.alloc_at, first.free_at)
+    return Recording(out, rule.alloc_at, rule.free_at)
 
 
 def describe(what: str, *trees: Leaves) -> str:

@@ -19,29 +19,45 @@ longest length would have grown it to alone, as without the sharing.
 Plans are kept, as a route keeps its own, per set of fences. Unlike a route's own plan, a
 family's is not made again when the arena grows (another size's plan grew it): it still fits,
 and the arena grows for the family only while the envelope widens, which plans it again.
+
+What outlives a call (the loss) is still held by the user at the next call (the previous
+loss): a fence. Placed anywhere, it would sit at another offset in each envelope's plan, and
+every length would find other fences, and plan again. So the small outliving allocations
+(a loss, a bias's gradient, a norm's running statistics) take one of two fixed banks at the
+arena's start (``banks``), and the rest of the sequence is planned around both: a call whose
+fence is the previous call's bank takes the other, with the same plan of the rest. (The
+large ones, gradients of weights, are freed by ``zero_grad`` before the next call: planned
+with the rest.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Collection
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from .plan import Fences, Recording, RoutePlan, reuse_offsets
+from .plan import ALIGN, Fences, Recording, RoutePlan, reuse_offsets
 
-__all__ = ["FamilyPlan", "SharedPlans"]
+__all__ = ["FamilyPlan", "Make", "SharedPlans", "banks"]
 
 PLANS_PER_FAMILY = 16  # envelope plans kept per family (least recent dropped)
+# Outliving allocations of at most BANK_ITEM bytes take the banks, unless they come to more
+# than BANK_BYTES: each bank holds them all, so the banks cost their bytes again.
+BANK_ITEM = 4096
+BANK_BYTES = 1 << 20
 
 _Ticks = tuple[tuple[int, ...], tuple[int, ...]]  # alloc_at, free_at of a sequence
 
 
 class _Envelope(NamedTuple):
-    plan: RoutePlan  # the plan of ``sizes``
+    plans: tuple[RoutePlan, ...]  # the plan of ``sizes``; with banks, one per bank
     sizes: np.ndarray  # the envelope's sizes it was made for
+    grown: bool  # made for a call that may grow the arena (else only within it)
+    need: int  # the arena bytes the plans need (the most of theirs)
 
 
 class FamilyPlan(NamedTuple):
@@ -64,7 +80,7 @@ class SharedPlans:
         self._lock = threading.Lock()
         # per allocation sequence (its ticks): the largest size of each allocation seen
         self._envelopes: dict[_Ticks, np.ndarray] = {}
-        self._plans: OrderedDict[tuple[_Ticks, Fences, bool], _Envelope] = OrderedDict()
+        self._plans: OrderedDict[tuple[object, ...], _Envelope] = OrderedDict()
         self.made = 0  # envelope plans made
 
     def plan(
@@ -74,35 +90,116 @@ class SharedPlans:
         capacity: int,
         fences: Fences,
         grow: bool,
-        make: Callable[[Recording], RoutePlan],
+        make: Make,
+        outliving: Collection[int] = (),
     ) -> FamilyPlan:
         """The plan of ``recording`` (as ``make`` plans a sequence, for an arena of
         ``capacity`` bytes that ``fences`` hold parts of, grown where ``grow``).
 
         Where a plan of an envelope covering ``recording`` was made for the same fences (and
         fits the arena as it is), its offsets serve; otherwise the envelope is widened by
-        ``recording`` and planned by ``make``."""
+        ``recording`` and planned by ``make``. The allocations of ``outliving`` (indices of
+        those that outlive the call, placed by ``placeable``) that are small take one of two
+        fixed banks at the arena's start (see ``banks``): a fence there (what the user holds
+        of the previous call) then picks the other bank, not another plan."""
         ticks = (tuple(recording.alloc_at), tuple(recording.free_at))
         sizes = np.asarray(recording.sizes, dtype=np.int64)
-        key = (ticks, tuple(fences), grow)
         with self._lock:
+            envelope = self._envelopes.get(ticks)
+            widest = sizes if envelope is None else np.maximum(envelope, sizes)
+            kept, bank = banks(widest, outliving, capacity)
+            which, rest = _bank(fences, bank)
+            key: tuple[object, ...] = (ticks, tuple(rest), tuple(kept) if which >= 0 else None)
             found = self._plans.get(key)
             if (
                 found is not None
-                and found.plan.need <= capacity
+                and (found.grown or not grow)
+                and found.need <= capacity
                 and bool(np.all(sizes <= found.sizes))
             ):
                 self._plans.move_to_end(key)
-                return FamilyPlan(reuse_offsets(recording, found.plan), found.plan.need, True)
-            envelope = self._envelopes.get(ticks)
-            envelope = sizes if envelope is None else np.maximum(envelope, sizes)
-            self._envelopes[ticks] = envelope
-        widest = Recording(envelope.tolist(), recording.alloc_at, recording.free_at)
-        made = make(widest)
+                chosen = found.plans[max(which, 0)]
+                return FamilyPlan(reuse_offsets(recording, chosen), found.need, True)
+            self._envelopes[ticks] = widest
+        whole = Recording(widest.tolist(), recording.alloc_at, recording.free_at)
+        if which < 0:
+            plans: tuple[RoutePlan, ...] = (make(whole),)
+        else:
+            # The rest planned around both banks; the outliving allocations then take either.
+            inner = widest.copy()
+            inner[kept] = 0
+            around = make(
+                Recording(inner.tolist(), recording.alloc_at, recording.free_at),
+                tuple(sorted([*rest, (0, 2 * bank)])),
+            )
+            plans = tuple(
+                reuse_offsets(whole, _in_bank(around, kept, widest, start)) for start in (0, bank)
+            )
+        need = max(p.need for p in plans)
         with self._lock:
             self.made += 1
-            self._plans[key] = _Envelope(made, envelope)
+            self._plans[key] = _Envelope(plans, widest, grow, need)
             self._plans.move_to_end(key)
             while len(self._plans) > PLANS_PER_FAMILY:
                 self._plans.popitem(last=False)
-        return FamilyPlan(reuse_offsets(recording, made), made.need, False)
+        return FamilyPlan(reuse_offsets(recording, plans[max(which, 0)]), need, False)
+
+
+class Make(Protocol):
+    """Plans a sequence for the route's arena (around ``fences`` where given, else the
+    call's own)."""
+
+    def __call__(self, sequence: Recording, fences: Fences = ..., /) -> RoutePlan: ...
+
+
+def banks(sizes: np.ndarray, outliving: Collection[int], capacity: int) -> tuple[list[int], int]:
+    """The allocations of ``outliving`` that take the banks (those of at most ``BANK_ITEM``
+    bytes at ``sizes``), and the bytes of each of the two banks (at offsets ``0`` and this
+    many); ``0`` bytes where there are none: none outlive the call small, they come to more
+    than ``BANK_BYTES`` (two copies would cost the arena more than the plans they save), or
+    the arena is not yet as large as both banks.
+
+    Example::
+
+        >>> import numpy as np
+        >>> from sharedmem._routing.family import banks
+        >>> banks(np.array([4, 1 << 20, 100, 8]), [0, 1, 2], capacity=1 << 22)
+        ([0, 2], 192)
+    """
+    if not outliving:
+        return [], 0
+    at = np.sort(np.fromiter(outliving, dtype=np.int64))
+    small = sizes[at]
+    at = at[(small > 0) & (small <= BANK_ITEM)]
+    total = int(_aligned(sizes[at]).sum())
+    if not total or total > BANK_BYTES or 2 * total > capacity:
+        return [], 0
+    return at.tolist(), total
+
+
+def _bank(fences: Fences, bank: int) -> tuple[int, list[tuple[int, int]]]:
+    # The bank the outliving allocations take (-1: neither is free, or no banks), and the
+    # fences beside the banks (what the rest is planned around besides them).
+    if not bank:
+        return -1, list(fences)
+    free = [
+        not any(low < (k + 1) * bank and k * bank < high for low, high in fences) for k in (0, 1)
+    ]
+    if not any(free):
+        return -1, list(fences)
+    rest = [(low, high) for low, high in fences if high > 2 * bank]
+    return free.index(True), rest
+
+
+def _aligned(sizes: np.ndarray) -> np.ndarray:
+    return -(-sizes // ALIGN) * ALIGN
+
+
+def _in_bank(plan: RoutePlan, kept: list[int], sizes: np.ndarray, start: int) -> RoutePlan:
+    # ``plan`` with the allocations of ``kept`` one after another from ``start``.
+    offsets = list(plan.offsets)
+    at = start
+    for i in kept:
+        offsets[i] = at
+        at += int(_aligned(sizes[i]))
+    return dataclasses.replace(plan, offsets=tuple(offsets))

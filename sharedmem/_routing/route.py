@@ -356,20 +356,22 @@ class Route:
         ]
         spread = placeable(recording, outliving)
 
-        def make(sequence: Recording) -> RoutePlan:
+        def make(sequence: Recording, around: Fences = fences, /) -> RoutePlan:
             return choose_plan(
                 sequence,
                 capacity=before,
                 granularity=host.granularity,
                 ceiling=ceiling,
-                fences=fences,
+                fences=around,
             )
 
         if self.family is None:
             plan = make(spread)
             need = plan.need
         else:  # the family's plan, grown to what its widest sizes need
-            shared = self.family.plan(spread, capacity=before, fences=fences, grow=grow, make=make)
+            shared = self.family.plan(
+                spread, capacity=before, fences=fences, grow=grow, make=make, outliving=outliving
+            )
             plan, need = shared.plan, shared.need
             if shared.reused:
                 host.count("shared_plans", 1)
