@@ -175,19 +175,35 @@ def plan_offsets(
     for i in candidates:
         live[starts[i] : ends[i]] += sizes[i]
     busiest = int(live.argmax())
-    # Orders to pack in; the smallest arena wins (the one packed first is kept on a tie).
+    last = max(ends, default=0)
+    # Live to the step's end (``placeable``'s outliving allocations, the gradients): placed
+    # first, in the order they are made, they stack into one range at the arena's bottom
+    # that grows as backward makes them, and the room above it stays one range.
+    kept = [i for i in candidates if ends[i] == last]
+    stacked = sorted(kept, key=starts.__getitem__)
+    rest = [i for i in candidates if ends[i] != last]
+    # Orders to pack in, each with best fit (the smallest gap that holds it) or first fit
+    # (the lowest); the smallest arena wins (the one packed first is kept on a tie).
     orders = [
         # live at the busiest tick first (they are the lower bound), longest-lived first
-        lambda i: (not starts[i] <= busiest < ends[i], starts[i] - ends[i], -sizes[i]),
-        lambda i: (-sizes[i], starts[i]),  # TFLite's greedy by size
-        lambda i: (starts[i] - ends[i], -sizes[i]),  # longest-lived first
+        (lambda i: (not starts[i] <= busiest < ends[i], starts[i] - ends[i], -sizes[i]), False),
+        ((lambda i: (-sizes[i], starts[i])), False),  # TFLite's greedy by size
+        ((lambda i: (starts[i] - ends[i], -sizes[i])), False),  # longest-lived first
     ]
     best: list[int] | None = None
     best_need = 0
-    for key in orders:
-        offsets, need = _pack(recording, sorted(candidates, key=key), ceiling, fences)
+    for key, first in orders:
+        offsets, need = _pack(recording, sorted(candidates, key=key), ceiling, fences, first)
         if best is None or need < best_need:
             best, best_need = offsets, need
+    if kept:
+        # The kept allocations stacked, then the rest largest first (the tightest on most
+        # training steps: within a fraction of a percent of max-live on ResNet-18).
+        for first in (True, False):
+            order = stacked + sorted(rest, key=lambda i: (-sizes[i], starts[i]))
+            offsets, need = _pack(recording, order, ceiling, fences, first)
+            if need < best_need:
+                best, best_need = offsets, need
     assert best is not None
     return _described(recording, best)
 
@@ -211,9 +227,14 @@ def reuse_offsets(recording: Recording, plan: RoutePlan) -> RoutePlan:
 
 
 def _pack(
-    recording: Recording, order: Sequence[int], ceiling: int | None, fences: Fences
+    recording: Recording,
+    order: Sequence[int],
+    ceiling: int | None,
+    fences: Fences,
+    first: bool = False,
 ) -> tuple[list[int], int]:
-    # Each allocation of ``order`` at its best gap among those placed that share a tick.
+    # Each allocation of ``order`` at its best gap (``first``: its lowest) among those placed
+    # that share a tick.
     sizes, starts, ends = recording.sizes, recording.alloc_at, recording.free_at
     offsets = [-1] * len(sizes)
     # The placed allocations, as arrays grown in place: start tick, end tick, offset, top;
@@ -228,7 +249,7 @@ def _pack(
         start, end = starts[i], ends[i]
         live = placed[:, :count]
         overlapping = live[:, (live[0] < end) & (start < live[1])]
-        offset = _best_gap(overlapping[2], overlapping[3], size)
+        offset = _best_gap(overlapping[2], overlapping[3], size, first=first)
         if ceiling is not None and offset + size > ceiling:
             continue
         placed[:, count] = (start, end, offset, offset + size)
@@ -289,6 +310,11 @@ def choose_plan(
         tolerance = granularity + alone // 1000
     if tolerance <= 0:
         return strict
+    # One page of slack: an arena in whole pages, at most one page above the allocator
+    # alone, that serves more (the whole step, where its packing meets max-live).
+    paged = _best(*candidates, alone + min(granularity, tolerance), alone + granularity)
+    if paged.routed_bytes > strict.routed_bytes:
+        strict = paged
     tolerant = _best(*candidates, alone + tolerance, tolerance)
     return strict if 2 * strict.routed_bytes >= tolerant.routed_bytes else tolerant
 
@@ -401,8 +427,9 @@ def _described(recording: Recording, offsets: list[int]) -> RoutePlan:
     )
 
 
-def _best_gap(lows: np.ndarray, highs: np.ndarray, size: int) -> int:
-    # The smallest gap between the busy ranges [low, high) that holds ``size``; else the top.
+def _best_gap(lows: np.ndarray, highs: np.ndarray, size: int, *, first: bool = False) -> int:
+    # The smallest gap between the busy ranges [low, high) that holds ``size`` (``first``:
+    # the lowest); else the top.
     if lows.size == 0:
         return 0
     order = np.argsort(lows, kind="stable")
@@ -411,6 +438,8 @@ def _best_gap(lows: np.ndarray, highs: np.ndarray, size: int) -> int:
         gap = low - offset
         if gap >= size and (best < 0 or gap < best_gap):
             best, best_gap = offset, gap
+            if first:
+                return best
         offset = max(offset, high)
     return best if best >= 0 else offset
 
