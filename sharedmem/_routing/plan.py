@@ -31,6 +31,7 @@ byte, unless that would leave most of the step to PyTorch for the arena's roundi
 
 from __future__ import annotations
 
+import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -49,6 +50,8 @@ __all__ = [
 
 ALIGN = 64  # every planned address is a multiple of this: any dtype and vector load fits
 _ALWAYS = 1 << 62  # a fence's end tick: after every tick of any step
+_TRIES = 64  # the most random orders a packing tries (``plan_offsets``)
+_WORK = 2048  # ... and at most this many placements in all
 
 
 class Recording(NamedTuple):
@@ -204,6 +207,27 @@ def plan_offsets(
             offsets, need = _pack(recording, order, ceiling, fences, first)
             if need < best_need:
                 best, best_need = offsets, need
+    # Iterative improvement, where the packing is above max-live and a step is small enough
+    # to pack again cheaply (a few thousand placements in all): orders drawn at random, from
+    # a seed fixed by the sequence (the same plan every time), the rest shuffled below the
+    # stacked gradients or everything shuffled. A small step's few long-lived allocations
+    # decide its arena, and few orders place them well.
+    aligned = [-(-n // ALIGN) * ALIGN for n in sizes]
+    bound = _max_live(
+        [aligned[i] for i in candidates],
+        [starts[i] for i in candidates],
+        [ends[i] for i in candidates],
+    )
+    draw = random.Random(len(candidates))
+    for attempt in range(min(_TRIES, _WORK // max(1, len(candidates)))):
+        if best_need <= bound:
+            break
+        shuffled = list(rest if attempt % 2 == 0 else candidates)
+        draw.shuffle(shuffled)
+        order = stacked + shuffled if attempt % 2 == 0 else shuffled
+        offsets, need = _pack(recording, order, ceiling, fences, attempt % 4 < 2)
+        if need < best_need:
+            best, best_need = offsets, need
     assert best is not None
     return _described(recording, best)
 
