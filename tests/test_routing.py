@@ -141,16 +141,23 @@ def test_the_arena_serves_every_dying_allocation_packed_near_max_live() -> None:
     assert "act.0" in pool.names()
 
 
-def test_the_default_loop_is_served_whole_within_one_page_of_eager() -> None:
+@pytest.mark.parametrize("widths", [(256, 512, 512, 10), (32, 64, 4)], ids=["mlp", "readme"])
+def test_the_default_loop_is_served_whole_within_one_page_of_eager(
+    widths: tuple[int, ...],
+) -> None:
     # PyTorch's default loop (``zero_grad()`` sets the gradients to None): the gradients and
-    # the loss outlive each block and are planned into the arena with the activations. An
-    # MLP's step packs at max-live, so its arena in whole pages is at most one page above
-    # what the allocator alone holds at its peak: every byte is served from the arena.
+    # the loss outlive each block and are planned into the arena with the activations. These
+    # steps pack at max-live, so their arena in whole pages is at most one page above what
+    # the allocator alone holds at its peak: every byte is served from the arena. The
+    # README's block (batch 16) is a 17 KB step: its small packing tries random orders.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
-                          nn.Linear(512, 10))  # fmt: skip
+    layers: list[nn.Module] = []
+    for k, (a, b) in enumerate(itertools.pairwise(widths)):
+        layers += [nn.Linear(a, b)] + ([nn.GELU()] if k < len(widths) - 2 else [])
+    model = nn.Sequential(*layers)
     plain = copy.deepcopy(model)
-    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    batch = 64 if widths[0] == 256 else 16
+    x, y = torch.randn(batch, widths[0]), torch.randint(0, widths[-1], (batch,))
     pool = sm.BufferPool("cpu")
     for _ in range(3):
         for m in (model, plain):

@@ -7,11 +7,17 @@ outlive it (the loss, gradients, what a hook keeps) stay with PyTorch's allocato
 
 The heuristic packs allocations one at a time, each at the smallest gap, among the
 allocations already placed that are live at some tick of its own interval, that holds it
-(best fit), else above them; it packs in three orders and keeps the smallest arena: those
-live at the busiest tick first, longest-lived first (this one meets the lower bound on most
-steps: the busiest tick's allocations stack up without gaps); TFLite's greedy by size
-(largest first); and longest-lived first. Its arena is reported
-against the lower bound no packing can beat, the most bytes live at one tick (max-live).
+(best fit) or at the lowest (first fit), else above them; it packs in several orders and
+keeps the smallest arena: those live at the busiest tick first, longest-lived first (the
+busiest tick's allocations stack up without gaps); TFLite's greedy by size (largest first);
+longest-lived first; and, where some allocations live to the step's end (gradients, the
+loss), those first, in the order they are made, then the rest largest first: the gradients
+stack into one range at the arena's bottom that grows as backward makes them, into the room
+the activations leave, and the room above them stays one range (ResNet-18's default loop:
+0.35% above max-live, where the other orders left 2.9%). Where the arena is still above
+max-live and the step is small, orders drawn at random (a fixed seed) are tried too. Its
+arena is reported against the lower bound no packing can beat, the most bytes live at one
+tick (max-live).
 
 The arena is shared: ``fences`` are byte ranges of it that other allocations hold for the
 whole step (a gradient the user still holds, a tensor an earlier step kept), packed around.
@@ -26,7 +32,9 @@ step's peak is the arena plus the most bytes live beside it, where the allocator
 (eager) holds the most bytes live at once. ``choose_plan`` therefore compares the full
 packing with arenas grown one allocation at a time (what does not fit is left to PyTorch)
 and keeps the lowest peak: a step needs no more than it would without the pool, to the
-byte, unless that would leave most of the step to PyTorch for the arena's rounding.
+byte, unless one page more serves more of it (an arena in whole pages at max-live is up to
+a page above the allocator alone: the default loop is then served whole), or unless that
+would leave most of the step to PyTorch for the arena's rounding.
 """
 
 from __future__ import annotations
@@ -300,9 +308,11 @@ def choose_plan(
     peak it lowers, with the arena's growth judged in whole granules and, separately, in
     bytes; passes repeat while some are taken, and where the arena's rounding puts such a
     plan over the allocator alone, it is taken again under its arena rounded down. Of those
-    whose peak is at most the allocator's alone, the lowest peak wins.
+    whose peak is at most the allocator's alone, the lowest peak wins; of those at most one
+    granule (a page) above it, the one that serves the most where it serves more (the arena
+    of a packing at max-live, rounded to whole pages, is up to a page above the allocator).
 
-    At the allocator's alone to the byte, unless that serves less than half of what
+    Else at the allocator's alone to the byte, unless that serves less than half of what
     ``tolerance`` above it would: at the step's busiest tick an arena holding any
     of it needs its bytes rounded to whole granules and each allocation to 64 bytes, so a
     step whose peak no plan lowers (gradients present, nothing outlives it) could serve
