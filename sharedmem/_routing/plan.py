@@ -344,9 +344,11 @@ def choose_plan(
         tolerance = granularity + alone // 1000
     if tolerance <= 0:
         return strict
-    # One page of slack: an arena in whole pages, at most one page above the allocator
-    # alone, that serves more (the whole step, where its packing meets max-live).
-    paged = _best(*candidates, alone + min(granularity, tolerance), alone + granularity)
+    # One page of slack: a plan at most one page above the lowest peak (and the allocator
+    # alone) that serves more (the whole step, where its packing meets max-live). Never more
+    # than a page above the lowest: where fences fill the arena, the allocator alone is far
+    # above what a plan needs.
+    paged = _best(*candidates, alone + min(granularity, tolerance), granularity)
     if paged.routed_bytes > strict.routed_bytes:
         strict = paged
     tolerant = _best(*candidates, alone + tolerance, tolerance)
