@@ -450,7 +450,15 @@ class Route:
         # (the recording ran in another state: gradients absent then, present now): record
         # anew, a few times at most, so that a block alternating between two states does not
         # spend every other call recording.
-        stale = counts["planned_out_freed_bytes"] > 0 and self._rerecorded < 3
+        # So did those it placed in the arena to outlive the call, where fewer are kept.
+        placed_kept = 0
+        if recording is not None:
+            for size, at, free in zip(
+                recording.sizes, plan.offsets, recording.free_at, strict=True
+            ):
+                placed_kept += size if at >= 0 and free < 0 else 0
+        died = counts["diverged_at"] < 0 and counts["kept_bytes"] < placed_kept
+        stale = (counts["planned_out_freed_bytes"] > 0 or died) and self._rerecorded < 3
         if stale:
             self._rerecorded += 1
         if counts["diverged_at"] >= 0 or escaped > 0 or stale:
