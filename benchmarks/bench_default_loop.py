@@ -95,7 +95,12 @@ def _held(pool: sm.BufferPool) -> int:
 
 
 def build(name: str) -> Any:
-    entry = next(m for m in zoo_module.zoo() if m.name == name)
+    entry = next((m for m in zoo_module.zoo() if m.name == name), None)
+    if entry is None:  # the zoo is optional: say what is missing instead of a traceback
+        raise SystemExit(
+            f"bench_default_loop: no model {name!r} here (the model zoo is optional: install "
+            "torchvision/transformers, see benchmarks/zoo.py, or name one `zoo.zoo()` lists)"
+        )
     torch.manual_seed(0)
     model, inputs, targets, loss_fn = entry.build()
     if name == "tv_resnet18":  # the size: batch 8 at 64x64
@@ -336,6 +341,9 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        sys.exit(0)
     if "--optimizer" in sys.argv:
         main_optimizer([a for a in sys.argv[1:] if a != "--optimizer"])
     else:

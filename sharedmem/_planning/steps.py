@@ -224,9 +224,8 @@ def pooled_train_step(
         (torch.Size([]), torch.Size([8, 4]))
     """
     policy = policy_of("pooled_train_step", budget, chunks, recompute, deprecated)
-    if isinstance(model, nn.Module) and fsdp_modules(
-        model
-    ):  # FSDP2: its eager step in pool.step(), its hooks firing
+    if isinstance(model, nn.Module) and fsdp_modules(model):
+        # FSDP2: not traced; its eager step runs in pool.step(), so its hooks fire
         return sharded_train_step(
             model, loss_fn, pool=pool, plan=plan, prefix=prefix, policy=policy
         )
