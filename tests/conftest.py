@@ -190,8 +190,9 @@ def known_durations(path: Path = DURATIONS) -> dict[str, float]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest tests first (durations.txt; the slow tier's unlisted ones as 30 s), each
-    file's order kept otherwise: pytest-xdist hands tests out in this order, so the long runs
+    """The longest tests first (durations.txt; the slow tier's unlisted ones as 30 s; an xdist
+    group by its tests' sum), each file's order kept otherwise: pytest-xdist hands tests out
+    in this order, so the long runs
     start while the short ones fill in beside them, instead of one of them (the recurrent
     models of test_zoo, the last file) running alone at the end."""
     known = known_durations()
@@ -200,7 +201,39 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         default = _SLOW_TIER_S if item.get_closest_marker("slow") else 0.0
         return known.get(_plain(item.nodeid), default)
 
-    items.sort(key=lambda item: -seconds(item))
+    # An xdist group moves as one, in the order pytest gave it: its tests share fixtures of a
+    # wider scope (the spawned ranks of each world size), which pytest orders its tests to set
+    # up once; sorting them one by one set the ranks up again for each test (50 s of one
+    # worker's time in the distributed group).
+    def unit(item: pytest.Item) -> str:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is None:
+            return item.nodeid
+        return "@" + str(mark.args[0] if mark.args else mark.kwargs.get("name", ""))
+
+    totals: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        totals[unit(item)] = totals.get(unit(item), 0.0) + seconds(item)
+        first.setdefault(unit(item), index)
+
+    # Within a file, the tests of one set of spawned ranks together (pytest left a test of
+    # four ranks between tests of two, which spawned each world twice).
+    def world(item: pytest.Item) -> int:
+        callspec = getattr(item, "callspec", None)
+        return int(callspec.params.get("ranks", 0)) if callspec is not None else 0
+
+    files: dict[str, int] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], len(files))
+    items.sort(
+        key=lambda item: (
+            -totals[unit(item)],
+            first[unit(item)],
+            files[item.nodeid.split("::")[0]],
+            world(item),
+        )
+    )
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
