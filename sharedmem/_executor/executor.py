@@ -741,9 +741,16 @@ def routed_summary(compiled: Compiled) -> PlanSummary:
     route = compiled.route
     if route is None or route.plan is None:
         return compiled.summary
+    return with_route(compiled.summary, route)
+
+
+def with_route(summary: PlanSummary, route: Route) -> PlanSummary:
+    """``summary`` with the figures of ``route``'s plan (what the arena really serves), its
+    planned peak the plan's; ``route`` has a plan."""
     plan = route.plan
+    assert plan is not None
     return dataclasses.replace(
-        compiled.summary,
+        summary,
         pooled_values=sum(offset >= 0 for offset in plan.offsets),
         slots=1 if plan.need else 0,
         pooled_bytes=plan.need,

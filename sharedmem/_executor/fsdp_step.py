@@ -23,6 +23,7 @@ the same ops on the same values (results unchanged).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -34,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from .._pool import BufferPool
 from .._validate import check_loss_fn
 from .calling import OwnLoss, call_model, check_targets, plain_mapping
+from .executor import with_route
 from .fsdp import fsdp_modules, prepare_fsdp
 from .plan import PlanSummary
 from .step import CallFigures
@@ -241,13 +243,7 @@ class ShardedTrainStep:
                 continue
             if peak.total + held >= measured:
                 measured, beside, route = peak.total + held, peak.beside_peak + held, chunk_route
-            how = (
-                "routing allocator, every allocation of the recorded call"
-                if peak.recorded
-                else "routing allocator, every allocation checked against its plan"
-                if peak.on_plan
-                else "routing allocator, the call left its plan: an upper bound"
-            )
+            how = peak.how
         self._route = route
         planned = 0
         if route is not None and route.plan is not None:
@@ -304,23 +300,14 @@ class ShardedTrainStep:
         and measured. An eager step has no graph: ``nodes`` and ``pooled_values`` count the
         recorded allocations."""
         figures, route = self.last_call, self._route
-        plan = None if route is None else route.plan
         recording = None if route is None else route.recording
-        if figures is None or plan is None or recording is None:
+        if figures is None or route is None or route.plan is None or recording is None:
             signature = "no call yet" if figures is None else figures.signature
             return PlanSummary("routed", signature, 0, 0, 0, 0, 0, 0, 0, ())
-        return PlanSummary(
-            plan="routed",
-            signature=figures.signature,
-            nodes=len(recording.sizes),
-            pooled_values=sum(offset >= 0 for offset in plan.offsets),
-            slots=1 if plan.need else 0,
-            pooled_bytes=plan.need,
-            per_node_bytes=plan.routed_bytes,
-            added_bytes=route.added_bytes,
-            unpooled_bytes=plan.beside_bytes,
-            unpooled_ops=(),
-            routed=route.describe(),
+        nodes = len(recording.sizes)
+        summary = PlanSummary("routed", figures.signature, nodes, 0, 0, 0, 0, 0, 0, ())
+        return dataclasses.replace(
+            with_route(summary, route),
             planned_peak=figures.planned_peak,
             measured_peak=figures.measured_peak,
             measured=figures.measured,

@@ -220,13 +220,7 @@ class _Step(Executor):
         planned = routed_summary(compiled).planned_peak
         if peak is not None:
             arena, beside = peak.arena_bytes, peak.beside_peak
-            how = (
-                "routing allocator, every allocation of the recorded call"
-                if peak.recorded
-                else "routing allocator, every allocation checked against its plan"
-                if peak.on_plan
-                else "routing allocator, the call left its plan: an upper bound"
-            )
+            how = peak.how
         else:
             arena = sum(self.pool.device_capacity(name) for name in self.slot_names())
             beside = summary.planned_peak - summary.pooled_bytes

@@ -104,6 +104,15 @@ class CallPeak(NamedTuple):
     def total(self) -> int:
         return self.arena_bytes + self.beside_peak
 
+    @property
+    def how(self) -> str:
+        """How the router measured this peak, in words (``CallFigures.measured``)."""
+        if self.recorded:
+            return "routing allocator, every allocation of the recorded call"
+        if self.on_plan:
+            return "routing allocator, every allocation checked against its plan"
+        return "routing allocator, the call left its plan: an upper bound"
+
 
 class Route:
     """One signature's allocation sequence over the arena ``arena`` of ``host``.
