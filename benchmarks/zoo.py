@@ -17,9 +17,11 @@ in ``skipped()`` saying why; it never raises. The recurrent models need only tor
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,12 +52,23 @@ def skipped() -> dict[str, str]:
 
 
 def _define_torchvision_ops() -> None:
-    """Declare torchvision's two C++ op schemas its Python imports register fakes for.
+    """Declare torchvision's two C++ op schemas its Python imports register fakes for, where
+    its own C++ library cannot load.
 
     A torchvision built for another torch cannot load its C++ ops; its Python package then
     fails at import when it registers fake kernels for ``nms``/``qnms``. Declaring the schemas
-    first (once, where they are missing) lets the model code import; no model here calls them.
+    first lets the model code import; no model here calls them. Where the library does load
+    (a torchvision built for this torch, as on a GPU image), it is loaded here and nothing is
+    declared: its own registration of a schema declared already would abort the process.
     """
+    spec = importlib.util.find_spec("torchvision")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for library in (lib for folder in folders for lib in Path(folder).glob("_C*.so")):
+        try:
+            torch.ops.load_library(str(library))  # what torchvision's import does first
+            return
+        except (OSError, RuntimeError):  # built for another torch: declare the schemas
+            break
     for name in ("nms", "qnms"):
         # Already defined (by torchvision's own C++ or an earlier call): nothing to do.
         with contextlib.suppress(RuntimeError):

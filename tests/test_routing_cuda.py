@@ -282,7 +282,7 @@ def test_a_pooled_step_on_the_gpu_is_served_from_the_arena_bit_for_bit() -> None
         eager, pooled = model(), model()
         nn.functional.cross_entropy(eager(x), y).backward()
         pool = sm.BufferPool("cuda")
-        step = sm.pooled_train_step(pooled, nn.functional.cross_entropy, pool)
+        step = sm.pooled_train_step(pooled, nn.functional.cross_entropy, pool=pool)
         for _ in range(3):
             pooled.zero_grad(set_to_none=True)
             loss = step(x, y)
