@@ -45,6 +45,9 @@ from .plan import ALIGN, Fences, Recording, RoutePlan, reuse_offsets
 __all__ = ["FamilyPlan", "Make", "SharedPlans", "banks"]
 
 PLANS_PER_FAMILY = 16  # envelope plans kept per family (least recent dropped)
+# A widened envelope takes its previous plan scaled (``_scaled``) where that needs at most
+# this fraction above the envelope's max-live (no plan needs less), instead of planning anew.
+SCALE_SLACK = 0.05
 # Outliving allocations of at most BANK_ITEM bytes take the banks, unless they come to more
 # than BANK_BYTES: each bank holds them all, so the banks cost their bytes again.
 BANK_ITEM = 4096
@@ -76,12 +79,15 @@ class SharedPlans:
     Thread-safe: routes of the family may plan on several threads at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, slack: float = SCALE_SLACK) -> None:
         self._lock = threading.Lock()
+        self._slack = slack
         # per allocation sequence (its ticks): the largest size of each allocation seen
         self._envelopes: dict[_Ticks, np.ndarray] = {}
         self._plans: OrderedDict[tuple[object, ...], _Envelope] = OrderedDict()
         self.made = 0  # envelope plans made
+        self.scaled = 0  # envelope plans taken from the previous envelope's, scaled
+        self._banks = 0  # the bytes of both banks in the latest plan (0: none)
 
     def plan(
         self,
@@ -109,6 +115,7 @@ class SharedPlans:
             widest = sizes if envelope is None else np.maximum(envelope, sizes)
             kept, bank = banks(widest, outliving, capacity)
             which, rest = _bank(fences, bank)
+            self._banks = 2 * bank if which >= 0 else 0
             key: tuple[object, ...] = (ticks, tuple(rest), tuple(kept) if which >= 0 else None)
             found = self._plans.get(key)
             if (
@@ -122,8 +129,15 @@ class SharedPlans:
                 return FamilyPlan(reuse_offsets(recording, chosen), found.need, True)
             self._envelopes[ticks] = widest
         whole = Recording(widest.tolist(), recording.alloc_at, recording.free_at)
-        if which < 0:
-            plans: tuple[RoutePlan, ...] = (make(whole),)
+        scaled = None
+        if found is not None and not rest and (found.grown or not grow):
+            scaled = _scaled(found, whole, kept, 2 * bank if which >= 0 else 0, self._slack)
+            if scaled is not None and not grow and max(p.need for p in scaled) > capacity:
+                scaled = None
+        if scaled is not None:
+            plans: tuple[RoutePlan, ...] = scaled
+        elif which < 0:
+            plans = (make(whole),)
         else:
             # The rest planned around both banks; the outliving allocations then take either.
             inner = widest.copy()
@@ -137,12 +151,22 @@ class SharedPlans:
             )
         need = max(p.need for p in plans)
         with self._lock:
-            self.made += 1
+            if scaled is None:
+                self.made += 1
+            else:
+                self.scaled += 1
             self._plans[key] = _Envelope(plans, widest, grow, need)
             self._plans.move_to_end(key)
             while len(self._plans) > PLANS_PER_FAMILY:
                 self._plans.popitem(last=False)
         return FamilyPlan(reuse_offsets(recording, plans[max(which, 0)]), need, False)
+
+    def banked(self, fences: Fences) -> bool:
+        """Whether every range of ``fences`` lies in the banks of the latest plan: what the
+        user holds there is the previous call's outliving allocations, the family's steady
+        state (its plans are made around both banks), so a plan may grow the arena past them
+        as over an arena no tensor holds."""
+        return bool(self._banks) and all(high <= self._banks for _, high in fences)
 
 
 class Make(Protocol):
@@ -203,3 +227,61 @@ def _in_bank(plan: RoutePlan, kept: list[int], sizes: np.ndarray, start: int) ->
         offsets[i] = at
         at += int(_aligned(sizes[i]))
     return dataclasses.replace(plan, offsets=tuple(offsets))
+
+
+def _scaled(
+    found: _Envelope, whole: Recording, kept: list[int], base: int, slack: float
+) -> tuple[RoutePlan, ...] | None:
+    """``found``'s plans for the wider sizes of ``whole`` (the same ticks), each keeping the
+    order its offsets had: every allocation (above the banks, ``base`` bytes; the bank
+    allocations ``kept`` stay where they are) goes right above the tops, at their new
+    sizes, of those it sat above in the old plan and shares a tick with. What was disjoint
+    stays disjoint (one of any two that share a tick was below the other, and still is);
+    checked pair by pair all the same. ``None`` where that needs more than ``slack`` above
+    the envelope's max-live (the least any plan needs: sizes that grew unevenly along the
+    old plan's stacks), or the plan left an allocation beside the arena: the envelope is
+    then planned anew.
+
+    A widening (the running maximum of drawn lengths) then costs a pass over the pairs,
+    where planning it costs as much as several steps."""
+    new = _aligned(np.asarray(whole.sizes, dtype=np.int64))
+    old = _aligned(found.sizes)
+    starts = np.asarray(whole.alloc_at, dtype=np.int64)
+    ends = np.asarray(whole.free_at, dtype=np.int64)
+    bank = np.zeros(len(new), dtype=bool)
+    bank[kept] = True
+    if bool(np.any(new[bank] > old[bank])):
+        return None
+    shared = (starts[:, None] < ends[None, :]) & (starts[None, :] < ends[:, None])
+    plans = []
+    for plan in found.plans:
+        at = np.asarray(plan.offsets, dtype=np.int64)
+        placed = at >= 0
+        moved = placed & ~bank & (new > 0)
+        if bool(np.any(~placed & (ends >= 0) & (new > 0))) or bool(np.any(old[moved] == 0)):
+            return None  # one left beside (the ceiling) or one that was empty: plan anew
+        if not moved.any():
+            return None
+        # below[i, j]: j sat under i in the old plan and shares a tick with it
+        below = shared & moved[None, :] & ((at + old)[None, :] <= at[:, None])
+        offsets = np.where(placed, at, -1)
+        for i in np.flatnonzero(moved)[np.argsort(at[moved], kind="stable")]:
+            under = below[i]
+            offsets[i] = (
+                max(base, int((offsets[under] + new[under]).max())) if under.any() else base
+            )
+        low, high = offsets[placed], offsets[placed] + new[placed]
+        clash = shared[np.ix_(placed, placed)]
+        clash &= (low[:, None] < high[None, :]) & (low[None, :] < high[:, None])
+        np.fill_diagonal(clash, False)
+        if clash.any():
+            return None
+        live = np.zeros(int(ends[moved].max()) + 2, dtype=np.int64)
+        np.add.at(live, starts[moved], new[moved])
+        np.subtract.at(live, ends[moved], new[moved])
+        if int(high.max()) > (1 + slack) * (base + int(np.cumsum(live).max())):
+            return None
+        plans.append(
+            reuse_offsets(whole, dataclasses.replace(plan, offsets=tuple(offsets.tolist())))
+        )
+    return tuple(plans)
