@@ -17,8 +17,16 @@ from torch import nn
 
 import sharedmem as sm
 from sharedmem._executor.executor import derive, size_rule
-from sharedmem._routing.family import SCALE_SLACK, SharedPlans, banks
-from sharedmem._routing.plan import Fences, Recording, RoutePlan, choose_plan, placeable
+from sharedmem._routing.family import SCALE_SLACK, SharedPlans, banks, reused
+from sharedmem._routing.plan import (
+    Fences,
+    Recording,
+    RoutePlan,
+    choose_plan,
+    placeable,
+    plan_offsets,
+    reuse_offsets,
+)
 
 
 class TinyLM(nn.Module):
@@ -345,6 +353,18 @@ def test_a_longer_length_stacks_the_plan_of_the_last_longest() -> None:
         aligned = Recording([-(-n // 64) * 64 for n in sized.sizes], sized.alloc_at, sized.free_at)
         assert got.need == aligned.live_peak()
         assert (family.made, family.scaled) == (1, k)
+
+
+@given(recordings(), st.floats(0.0, 1.0), st.integers(0, 1 << 14))
+def test_a_family_describes_a_reused_plan_as_the_router_does(
+    rec: Recording, scale: float, ceiling: int
+) -> None:
+    # ``reused`` (arrays) gives the very plan ``reuse_offsets`` does, at any smaller size,
+    # with allocations left beside by a ceiling too.
+    plan = plan_offsets(rec, ceiling=ceiling)
+    smaller = Recording([int(n * scale) for n in rec.sizes], rec.alloc_at, rec.free_at)
+    assert reused(smaller, plan) == reuse_offsets(smaller, plan)
+    assert reused(rec, plan) == reuse_offsets(rec, plan)
 
 
 def test_a_new_size_follows_the_rule_of_the_recorded_sizes() -> None:
