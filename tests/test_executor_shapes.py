@@ -280,6 +280,8 @@ def test_the_loss_held_from_the_last_call_takes_the_other_bank_not_another_plan(
     assert family.made == 1
     assert loss_at[0] < bank
     assert loss_at == [loss_at[0] + (bank if k % 2 else 0) for k in range(len(loss_at))]
+    # a loss held in a bank is the family's steady state (its route may grow the arena)
+    assert family.banked(held) and not family.banked([(2 * bank, 2 * bank + 4)])
 
 
 @given(
@@ -353,6 +355,10 @@ def test_a_longer_length_stacks_the_plan_of_the_last_longest() -> None:
         aligned = Recording([-(-n // 64) * 64 for n in sized.sizes], sized.alloc_at, sized.free_at)
         assert got.need == aligned.live_peak()
         assert (family.made, family.scaled) == (1, k)
+    # past what the route may grow the arena to (a pool's limit), it is planned within that
+    wider = Recording([int(n * 1.5) for n in spread.sizes], spread.alloc_at, spread.free_at)
+    family.plan(wider, capacity=got.need, fences=(), grow=True, make=make, ceiling=got.need)
+    assert (family.made, family.scaled) == (2, 2)
 
 
 @given(recordings(), st.floats(0.0, 1.0), st.integers(0, 1 << 14))

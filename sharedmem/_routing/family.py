@@ -13,8 +13,11 @@ envelope, and a smaller allocation at the same offset keeps within its range, so
 overlap still (and every offset stays on the 64-byte grid: the kernels compute as eager's).
 A new length reuses that plan where the envelope covers it (a comparison per allocation);
 only a length larger than every one before (a few in a run: the running maxima) widens the
-envelope and plans it again. The arena holds the envelope's plan, so it ends at the size the
-longest length would have grown it to alone, as without the sharing.
+envelope. The widened envelope keeps the previous plan's order: each allocation right above
+the new tops of those it sat above (still disjoint), which on a transformer's sequence
+meets max-live exactly; only where that is more than ``SCALE_SLACK`` above it (sizes that
+grew unevenly) is the envelope planned again. The arena holds the envelope's plan, so it
+ends at the size the longest length would have grown it to alone, as without the sharing.
 
 Plans are kept, as a route keeps its own, per set of fences. Unlike a route's own plan, a
 family's is not made again when the arena grows (another size's plan grew it): it still fits,
@@ -103,13 +106,17 @@ class SharedPlans:
         grow: bool,
         make: Make,
         outliving: Collection[int] = (),
+        ceiling: int | None = None,
     ) -> FamilyPlan:
         """The plan of ``recording`` (as ``make`` plans a sequence, for an arena of
         ``capacity`` bytes that ``fences`` hold parts of, grown where ``grow``).
 
         Where a plan of an envelope covering ``recording`` was made for the same fences (and
         fits the arena as it is), its offsets serve; otherwise the envelope is widened by
-        ``recording`` and planned by ``make``. The allocations of ``outliving`` (indices of
+        ``recording`` and planned by ``make``, or, where the previous envelope's plan kept
+        in order at the wider sizes is within the slack (``_scaled``) and needs at most
+        ``ceiling`` bytes (what ``make`` may use; ``None``: no limit where ``grow``, else
+        ``capacity``), by that plan. The allocations of ``outliving`` (indices of
         those that outlive the call, placed by ``placeable``) that are small take one of two
         fixed banks at the arena's start (see ``banks``): a fence there (what the user holds
         of the previous call) then picks the other bank, not another plan."""
@@ -137,8 +144,9 @@ class SharedPlans:
         scaled = None
         if self._slack is not None and found is not None and not rest and (found.grown or not grow):
             scaled = _scaled(found, whole, kept, 2 * bank if which >= 0 else 0, self._slack)
-            if scaled is not None and not grow and max(p.need for p in scaled) > capacity:
-                scaled = None
+            top = ceiling if ceiling is not None or grow else capacity
+            if scaled is not None and top is not None and max(p.need for p in scaled) > top:
+                scaled = None  # past what ``make`` may use: plan within it
         if scaled is not None:
             plans: tuple[RoutePlan, ...] = scaled
         elif which < 0:

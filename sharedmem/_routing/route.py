@@ -384,7 +384,13 @@ class Route:
             need = plan.need
         else:  # the family's plan, grown to what its widest sizes need
             shared = self.family.plan(
-                spread, capacity=before, fences=fences, grow=grow, make=make, outliving=outliving
+                spread,
+                capacity=before,
+                fences=fences,
+                grow=grow,
+                make=make,
+                outliving=outliving,
+                ceiling=ceiling,
             )
             plan, need = shared.plan, shared.need
             if shared.reused:
