@@ -17,8 +17,16 @@ from torch import nn
 
 import sharedmem as sm
 from sharedmem._executor.executor import derive, size_rule
-from sharedmem._routing.family import SharedPlans, banks
-from sharedmem._routing.plan import Fences, Recording, RoutePlan, choose_plan, placeable
+from sharedmem._routing.family import SCALE_SLACK, SharedPlans, banks, reused
+from sharedmem._routing.plan import (
+    Fences,
+    Recording,
+    RoutePlan,
+    choose_plan,
+    placeable,
+    plan_offsets,
+    reuse_offsets,
+)
 
 
 class TinyLM(nn.Module):
@@ -272,6 +280,97 @@ def test_the_loss_held_from_the_last_call_takes_the_other_bank_not_another_plan(
     assert family.made == 1
     assert loss_at[0] < bank
     assert loss_at == [loss_at[0] + (bank if k % 2 else 0) for k in range(len(loss_at))]
+    # a loss held in a bank is the family's steady state (its route may grow the arena)
+    assert family.banked(held) and not family.banked([(2 * bank, 2 * bank + 4)])
+
+
+@given(
+    recordings(),
+    st.lists(st.floats(1.0, 1.5), min_size=1, max_size=5),
+    st.lists(st.floats(0.0, 1.0), min_size=1, max_size=5),
+    st.booleans(),
+)
+def test_a_widened_envelope_keeps_its_plan_in_order_or_plans_anew(
+    rec: Recording, growth: list[float], unevenness: list[float], hold: bool
+) -> None:
+    # Every call longer than the last (the running maximum of drawn lengths): each widens
+    # the envelope. Its plan is the last one's, each allocation stacked where it sat, or (too
+    # far above max-live) planned anew; either way no two live allocations share a byte,
+    # nor any byte of the held loss, and a kept plan is within SCALE_SLACK of max-live.
+    rec = Recording([*rec.sizes, 4], [*rec.alloc_at, 0], [*rec.free_at, -1])
+    outliving = [i for i, f in enumerate(rec.free_at) if f < 0 and rec.sizes[i] > 0]
+    spread = placeable(rec, outliving)
+    family = SharedPlans()
+
+    def make(sequence: Recording, fences: Fences = ()) -> RoutePlan:
+        return choose_plan(sequence, capacity=1 << 20, granularity=4096, fences=fences)
+
+    held: list[tuple[int, int]] = []
+    scale = 1.0
+    widest = np.zeros(len(spread.sizes), dtype=np.int64)
+    for k, grow in enumerate([1.0, *growth]):
+        scale *= grow
+        uneven = unevenness[k % len(unevenness)]
+        sizes = [  # each allocation grown by the scale, some by up to its square
+            n if i == len(rec.sizes) - 1 else int(n * scale ** (1 + uneven * (i % 2)))
+            for i, n in enumerate(spread.sizes)
+        ]
+        sized = Recording(sizes, spread.alloc_at, spread.free_at)
+        before = family.scaled
+        got = family.plan(
+            sized, capacity=1 << 20, fences=held, grow=not held, make=make, outliving=outliving
+        )
+        _disjoint(sized, got.plan, held)
+        assert got.plan.need <= got.need
+        widest = np.maximum(widest, sizes)  # the envelope: each allocation's largest size
+        if family.scaled > before:  # the banks at the bottom, then the rest's max-live
+            aligned = Recording((-(-widest // 64) * 64).tolist(), sized.alloc_at, sized.free_at)
+            bank = banks(widest, outliving, 1 << 20)[1]
+            assert got.plan.need <= (1 + SCALE_SLACK) * (aligned.live_peak() + 2 * bank)
+        if hold:
+            loss = got.plan.offsets[-1]
+            held = [(loss, loss + 4)] if loss >= 0 else []
+    assert family.made >= 1
+
+
+def test_a_longer_length_stacks_the_plan_of_the_last_longest() -> None:
+    # Two layers' step (see test_routing): planned once at its first size, a plan at max-live;
+    # sizes grown evenly (as more tokens grow them) keep that plan's order at max-live, with
+    # no planning.
+    rec = Recording(
+        [684, 140, 3471, 3107, 4, 4, 1068, 1573, 2191, 3642],
+        [0, 1, 3, 4, 6, 7, 8, 9, 12, 13],
+        [2, 14, 5, 10, -1, 11, -1, 15, -1, 16],
+    )
+    spread = placeable(rec, [4, 6, 8])
+    family = SharedPlans()
+
+    def make(sequence: Recording, fences: Fences = ()) -> RoutePlan:
+        return choose_plan(sequence, granularity=4096, fences=fences)
+
+    for k, scale in enumerate([1.0, 1.1, 1.25]):
+        sized = Recording([int(n * scale) for n in spread.sizes], spread.alloc_at, spread.free_at)
+        got = family.plan(sized, capacity=0, fences=(), grow=True, make=make)
+        _disjoint(sized, got.plan, [])
+        aligned = Recording([-(-n // 64) * 64 for n in sized.sizes], sized.alloc_at, sized.free_at)
+        assert got.need == aligned.live_peak()
+        assert (family.made, family.scaled) == (1, k)
+    # past what the route may grow the arena to (a pool's limit), it is planned within that
+    wider = Recording([int(n * 1.5) for n in spread.sizes], spread.alloc_at, spread.free_at)
+    family.plan(wider, capacity=got.need, fences=(), grow=True, make=make, ceiling=got.need)
+    assert (family.made, family.scaled) == (2, 2)
+
+
+@given(recordings(), st.floats(0.0, 1.0), st.integers(0, 1 << 14))
+def test_a_family_describes_a_reused_plan_as_the_router_does(
+    rec: Recording, scale: float, ceiling: int
+) -> None:
+    # ``reused`` (arrays) gives the very plan ``reuse_offsets`` does, at any smaller size,
+    # with allocations left beside by a ceiling too.
+    plan = plan_offsets(rec, ceiling=ceiling)
+    smaller = Recording([int(n * scale) for n in rec.sizes], rec.alloc_at, rec.free_at)
+    assert reused(smaller, plan) == reuse_offsets(smaller, plan)
+    assert reused(rec, plan) == reuse_offsets(rec, plan)
 
 
 def test_a_new_size_follows_the_rule_of_the_recorded_sizes() -> None:

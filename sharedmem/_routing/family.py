@@ -13,8 +13,11 @@ envelope, and a smaller allocation at the same offset keeps within its range, so
 overlap still (and every offset stays on the 64-byte grid: the kernels compute as eager's).
 A new length reuses that plan where the envelope covers it (a comparison per allocation);
 only a length larger than every one before (a few in a run: the running maxima) widens the
-envelope and plans it again. The arena holds the envelope's plan, so it ends at the size the
-longest length would have grown it to alone, as without the sharing.
+envelope. The widened envelope keeps the previous plan's order: each allocation right above
+the new tops of those it sat above (still disjoint), which on a transformer's sequence
+meets max-live exactly; only where that is more than ``SCALE_SLACK`` above it (sizes that
+grew unevenly) is the envelope planned again. The arena holds the envelope's plan, so it
+ends at the size the longest length would have grown it to alone, as without the sharing.
 
 Plans are kept, as a route keeps its own, per set of fences. Unlike a route's own plan, a
 family's is not made again when the arena grows (another size's plan grew it): it still fits,
@@ -40,11 +43,14 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from .plan import ALIGN, Fences, Recording, RoutePlan, reuse_offsets
+from .plan import ALIGN, Fences, Recording, RoutePlan
 
-__all__ = ["FamilyPlan", "Make", "SharedPlans", "banks"]
+__all__ = ["FamilyPlan", "Make", "SharedPlans", "banks", "reused"]
 
 PLANS_PER_FAMILY = 16  # envelope plans kept per family (least recent dropped)
+# A widened envelope takes its previous plan scaled (``_scaled``) where that needs at most
+# this fraction above the envelope's max-live (no plan needs less), instead of planning anew.
+SCALE_SLACK = 0.05
 # Outliving allocations of at most BANK_ITEM bytes take the banks, unless they come to more
 # than BANK_BYTES: each bank holds them all, so the banks cost their bytes again.
 BANK_ITEM = 4096
@@ -74,14 +80,22 @@ class SharedPlans:
     """The plans the routes of one family of sizes lend one another (see the module).
 
     Thread-safe: routes of the family may plan on several threads at once.
+
+    Args:
+        slack: how far above the widened envelope's max-live (a fraction) the previous
+            envelope's plan, kept in order at the wider sizes, may be and still serve
+            (``_scaled``); ``None``: every widened envelope is planned anew.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, slack: float | None = SCALE_SLACK) -> None:
         self._lock = threading.Lock()
+        self._slack = slack
         # per allocation sequence (its ticks): the largest size of each allocation seen
         self._envelopes: dict[_Ticks, np.ndarray] = {}
         self._plans: OrderedDict[tuple[object, ...], _Envelope] = OrderedDict()
         self.made = 0  # envelope plans made
+        self.scaled = 0  # envelope plans taken from the previous envelope's, scaled
+        self._banks = 0  # the bytes of both banks in the latest plan (0: none)
 
     def plan(
         self,
@@ -92,13 +106,17 @@ class SharedPlans:
         grow: bool,
         make: Make,
         outliving: Collection[int] = (),
+        ceiling: int | None = None,
     ) -> FamilyPlan:
         """The plan of ``recording`` (as ``make`` plans a sequence, for an arena of
         ``capacity`` bytes that ``fences`` hold parts of, grown where ``grow``).
 
         Where a plan of an envelope covering ``recording`` was made for the same fences (and
         fits the arena as it is), its offsets serve; otherwise the envelope is widened by
-        ``recording`` and planned by ``make``. The allocations of ``outliving`` (indices of
+        ``recording`` and planned by ``make``, or, where the previous envelope's plan kept
+        in order at the wider sizes is within the slack (``_scaled``) and needs at most
+        ``ceiling`` bytes (what ``make`` may use; ``None``: no limit where ``grow``, else
+        ``capacity``), by that plan. The allocations of ``outliving`` (indices of
         those that outlive the call, placed by ``placeable``) that are small take one of two
         fixed banks at the arena's start (see ``banks``): a fence there (what the user holds
         of the previous call) then picks the other bank, not another plan."""
@@ -109,6 +127,7 @@ class SharedPlans:
             widest = sizes if envelope is None else np.maximum(envelope, sizes)
             kept, bank = banks(widest, outliving, capacity)
             which, rest = _bank(fences, bank)
+            self._banks = 2 * bank if which >= 0 else 0
             key: tuple[object, ...] = (ticks, tuple(rest), tuple(kept) if which >= 0 else None)
             found = self._plans.get(key)
             if (
@@ -119,11 +138,19 @@ class SharedPlans:
             ):
                 self._plans.move_to_end(key)
                 chosen = found.plans[max(which, 0)]
-                return FamilyPlan(reuse_offsets(recording, chosen), found.need, True)
+                return FamilyPlan(reused(recording, chosen), found.need, True)
             self._envelopes[ticks] = widest
         whole = Recording(widest.tolist(), recording.alloc_at, recording.free_at)
-        if which < 0:
-            plans: tuple[RoutePlan, ...] = (make(whole),)
+        scaled = None
+        if self._slack is not None and found is not None and not rest and (found.grown or not grow):
+            scaled = _scaled(found, whole, kept, 2 * bank if which >= 0 else 0, self._slack)
+            top = ceiling if ceiling is not None or grow else capacity
+            if scaled is not None and top is not None and max(p.need for p in scaled) > top:
+                scaled = None  # past what ``make`` may use: plan within it
+        if scaled is not None:
+            plans: tuple[RoutePlan, ...] = scaled
+        elif which < 0:
+            plans = (make(whole),)
         else:
             # The rest planned around both banks; the outliving allocations then take either.
             inner = widest.copy()
@@ -133,16 +160,26 @@ class SharedPlans:
                 tuple(sorted([*rest, (0, 2 * bank)])),
             )
             plans = tuple(
-                reuse_offsets(whole, _in_bank(around, kept, widest, start)) for start in (0, bank)
+                reused(whole, _in_bank(around, kept, widest, start)) for start in (0, bank)
             )
         need = max(p.need for p in plans)
         with self._lock:
-            self.made += 1
+            if scaled is None:
+                self.made += 1
+            else:
+                self.scaled += 1
             self._plans[key] = _Envelope(plans, widest, grow, need)
             self._plans.move_to_end(key)
             while len(self._plans) > PLANS_PER_FAMILY:
                 self._plans.popitem(last=False)
-        return FamilyPlan(reuse_offsets(recording, plans[max(which, 0)]), need, False)
+        return FamilyPlan(reused(recording, plans[max(which, 0)]), need, False)
+
+    def banked(self, fences: Fences) -> bool:
+        """Whether every range of ``fences`` lies in the banks of the latest plan: what the
+        user holds there is the previous call's outliving allocations, the family's steady
+        state (its plans are made around both banks), so a plan may grow the arena past them
+        as over an arena no tensor holds."""
+        return bool(self._banks) and all(high <= self._banks for _, high in fences)
 
 
 class Make(Protocol):
@@ -203,3 +240,102 @@ def _in_bank(plan: RoutePlan, kept: list[int], sizes: np.ndarray, start: int) ->
         offsets[i] = at
         at += int(_aligned(sizes[i]))
     return dataclasses.replace(plan, offsets=tuple(offsets))
+
+
+def _scaled(
+    found: _Envelope, whole: Recording, kept: list[int], base: int, slack: float
+) -> tuple[RoutePlan, ...] | None:
+    """``found``'s plans for the wider sizes of ``whole`` (the same ticks), each keeping the
+    order its offsets had: every allocation (above the banks, ``base`` bytes; the bank
+    allocations ``kept`` stay where they are) goes right above the tops, at their new
+    sizes, of those it sat above in the old plan and shares a tick with. What was disjoint
+    stays disjoint (one of any two that share a tick was below the other, and still is);
+    checked pair by pair all the same. ``None`` where that needs more than ``slack`` above
+    the envelope's max-live (the least any plan needs: sizes that grew unevenly along the
+    old plan's stacks), or the plan left an allocation beside the arena: the envelope is
+    then planned anew.
+
+    A widening (the running maximum of drawn lengths) then costs a pass over the pairs,
+    where planning it costs as much as several steps."""
+    new = _aligned(np.asarray(whole.sizes, dtype=np.int64))
+    old = _aligned(found.sizes)
+    starts = np.asarray(whole.alloc_at, dtype=np.int64)
+    ends = np.asarray(whole.free_at, dtype=np.int64)
+    bank = np.zeros(len(new), dtype=bool)
+    bank[kept] = True
+    if bool(np.any(new[bank] > old[bank])):
+        return None
+    shared = (starts[:, None] < ends[None, :]) & (starts[None, :] < ends[:, None])
+    plans = []
+    for plan in found.plans:
+        at = np.asarray(plan.offsets, dtype=np.int64)
+        placed = at >= 0
+        moved = placed & ~bank & (new > 0)
+        if bool(np.any(~placed & (ends >= 0) & (new > 0))) or bool(np.any(old[moved] == 0)):
+            return None  # one left beside (the ceiling) or one that was empty: plan anew
+        if not moved.any():
+            return None
+        # below[i, j]: j sat under i in the old plan and shares a tick with it
+        below = shared & moved[None, :] & ((at + old)[None, :] <= at[:, None])
+        offsets = np.where(placed, at, -1)
+        for i in np.flatnonzero(moved)[np.argsort(at[moved], kind="stable")]:
+            under = below[i]
+            offsets[i] = (
+                max(base, int((offsets[under] + new[under]).max())) if under.any() else base
+            )
+        low, high = offsets[placed], offsets[placed] + new[placed]
+        clash = shared[np.ix_(placed, placed)]
+        clash &= (low[:, None] < high[None, :]) & (low[None, :] < high[:, None])
+        np.fill_diagonal(clash, False)
+        if clash.any():
+            return None
+        live = np.zeros(int(ends[moved].max()) + 2, dtype=np.int64)
+        np.add.at(live, starts[moved], new[moved])
+        np.subtract.at(live, ends[moved], new[moved])
+        if int(high.max()) > (1 + slack) * (base + int(np.cumsum(live).max())):
+            return None
+        plans.append(reused(whole, dataclasses.replace(plan, offsets=tuple(offsets.tolist()))))
+    return tuple(plans)
+
+
+def reused(recording: Recording, plan: RoutePlan) -> RoutePlan:
+    """``plan``'s offsets for ``recording``, a sequence of the same ticks with each
+    allocation at most as large: ``plan.reuse_offsets``, its figures computed on arrays
+    (a family serves each call's plan this way: a tenth of the time, in every call).
+
+    Example::
+
+        >>> from sharedmem._routing.family import reused
+        >>> from sharedmem._routing.plan import Recording, plan_offsets
+        >>> big = plan_offsets(Recording([256, 128, 128], [0, 2, 3], [1, 4, 5]))
+        >>> small = reused(Recording([64, 100, 32], [0, 2, 3], [1, 4, 5]), big)
+        >>> small.offsets, small.need
+        ((0, 0, 128), 192)
+    """
+    assert len(plan.offsets) == len(recording.sizes), "a plan of another sequence"
+    sizes = np.asarray(recording.sizes, dtype=np.int64)
+    starts = np.asarray(recording.alloc_at, dtype=np.int64)
+    ends = np.asarray(recording.free_at, dtype=np.int64)
+    at = np.asarray(plan.offsets, dtype=np.int64)
+    routed = at >= 0
+    beside = ~routed
+    return RoutePlan(
+        offsets=tuple(plan.offsets),
+        need=int((at[routed] + _aligned(sizes[routed])).max()) if routed.any() else 0,
+        lower_bound=_most_live(sizes, starts, ends, routed),
+        routed_bytes=int(sizes[routed].sum()),
+        beside_bytes=int(sizes[beside & (ends >= 0)].sum()),
+        beside_peak=_most_live(sizes, starts, ends, beside),
+    )
+
+
+def _most_live(sizes: np.ndarray, starts: np.ndarray, ends: np.ndarray, chosen: np.ndarray) -> int:
+    # The most bytes of the ``chosen`` allocations live after any tick (0: none chosen).
+    if not chosen.any():
+        return 0
+    size, start, end = sizes[chosen], starts[chosen], ends[chosen]
+    delta = np.zeros(max(int(start.max()), int(end.max())) + 2, dtype=np.int64)
+    np.add.at(delta, start, size)
+    freed = end >= 0
+    np.subtract.at(delta, end[freed], size[freed])
+    return int(np.cumsum(delta).max())

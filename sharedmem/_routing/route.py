@@ -249,7 +249,12 @@ class Route:
             # for the arena as it is, so steady state is steady. An optimizer's block grows
             # it around the gradients: they are held at every call of it, and its peak is
             # theirs plus its temporaries, as without the pool.
-            grow = planned is None and (not fences or self.optimizer)
+            # A family's banks are its steady state too (``SharedPlans.banked``).
+            grow = planned is None and (
+                not fences
+                or self.optimizer
+                or (self.family is not None and self.family.banked(fences))
+            )
             planned = self._adopt(self.recording, lane, fences, grow=grow)
             self._host.count("replanned_calls", 1)
         else:
@@ -379,7 +384,13 @@ class Route:
             need = plan.need
         else:  # the family's plan, grown to what its widest sizes need
             shared = self.family.plan(
-                spread, capacity=before, fences=fences, grow=grow, make=make, outliving=outliving
+                spread,
+                capacity=before,
+                fences=fences,
+                grow=grow,
+                make=make,
+                outliving=outliving,
+                ceiling=ceiling,
             )
             plan, need = shared.plan, shared.need
             if shared.reused:
