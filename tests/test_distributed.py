@@ -28,8 +28,10 @@ from worlds import Ranks
 import sharedmem as sm
 
 # The ranks are spawned once per world size (tests/worlds.py): every test of this file and of
-# test_fsdp in one pytest-xdist worker, so that they are not spawned again in the other.
-pytestmark = pytest.mark.xdist_group("distributed")
+# test_fsdp in one pytest-xdist worker, so that they are not spawned again in the other. The
+# first test of a world waits for all its ranks (test_fsdp's cases too): as test_fsdp's, a
+# timeout past worlds.RANK_SECONDS, after which the ranks are killed and the test fails.
+pytestmark = [pytest.mark.xdist_group("distributed"), pytest.mark.timeout(600)]
 
 # Every case runs on 2 and 3 ranks, in the worlds test_fsdp's cases share (tests/worlds.py).
 case = worlds.case(2, 3)
