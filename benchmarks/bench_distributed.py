@@ -48,14 +48,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Progress, Row, interleaved, row, script_main
+from harness import Progress, Row, interleaved, row, script_main, smoke_models
 from step_models import CASES
 
 import sharedmem as sm
 from sharedmem.testing import raw_allocator_peak as allocator_peak
 
 WORLD = 2
-MODELS = ("mlp", "resnet")
+MODELS = smoke_models(("mlp", "resnet"), "mlp")
 
 
 def _measure(rank: int, name: str, quick: bool) -> dict[str, float]:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Progress, Row, interleaved, row, script_main
+from harness import Progress, Row, interleaved, row, script_main, smoke_models
 
 import sharedmem as sm
 
@@ -208,7 +208,7 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
     """Every figure of this benchmark, as rows (``--quick``: fewer repetitions)."""
     progress = progress or Progress.quiet()
     rows: list[Row] = []
-    for name in ("cnn", "mlp"):
+    for name in smoke_models(("cnn", "mlp"), "mlp"):
         progress.say(f"executor: {name} step times ...")
         rows += step_times(name, device, 64, quick, progress)
         rows += memory(name, device, 64, progress)

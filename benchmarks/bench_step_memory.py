@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Progress, Row, interleaved, row, script_main
+from harness import Progress, Row, interleaved, row, script_main, smoke_models
 from step_models import CASES, Case
 
 import sharedmem as sm
@@ -111,7 +111,8 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
     # torch.compile takes tens of seconds per model on 2 CPU cores: the full run only.
     compile_too = not quick and device == "cpu"
     beats = compared = 0
-    for case in CASES:
+    names = smoke_models(tuple(case[0] for case in CASES), "mlp")
+    for case in (case for case in CASES if case[0] in names):
         if progress is not None:
             progress.say(f"step memory: {case[0]} at batch {batch}")
         figures = _figures(case, batch, device, rounds=5 if quick else 15, number=2 if quick else 3)

@@ -36,6 +36,13 @@ from sharedmem._cli.bench import TIMING_TOLERANCE
 # set KINETO_LOG_LEVEL yourself to see the log.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
+# The test suite's run of ``bench --quick`` (SHAREDMEM_BENCH_SMOKE=1): every section and every
+# code path, but each timing one call of each case after one warm-up call, and where a section
+# measures several models the same way, only its smallest (``smoke_models``), so its figures
+# are evidence of nothing (the JSON and the summary line say so). Inherited by the processes a
+# benchmark starts.
+SMOKE = os.environ.get("SHAREDMEM_BENCH_SMOKE", "") == "1"
+
 __all__ = [
     "TIMING_TOLERANCE",
     "Progress",
@@ -51,6 +58,7 @@ __all__ = [
     "row",
     "row_cells",
     "script_main",
+    "smoke_models",
     "write_json",
 ]
 
@@ -186,6 +194,12 @@ class _ProgressStream(io.StringIO):
         return len(text)
 
 
+def smoke_models(names: tuple[str, ...], smallest: str) -> tuple[str, ...]:
+    """``names``, or only ``smallest`` of them in the test suite's smoke run (``SMOKE``)."""
+    assert smallest in names, (smallest, names)
+    return (smallest,) if SMOKE else names
+
+
 def interleaved(
     cases: dict[str, Callable[[], object]],
     *,
@@ -199,6 +213,8 @@ def interleaved(
     The order of the cases alternates from round to round; the garbage collector is off while
     a round runs. ``progress`` hears (``tick``) after every round.
     """
+    if SMOKE:
+        rounds, number = 1, 1
     samples: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
     for case in cases.values():  # warm-up: caches, allocator, first-touch
@@ -340,6 +356,7 @@ def environment(device: str, quick: bool) -> dict[str, object]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
+        **({"smoke": True} if SMOKE else {}),
     }
 
 

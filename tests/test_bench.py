@@ -39,7 +39,10 @@ def printed_row(r: harness.Row) -> re.Pattern[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a whole bench --quick (under 2 minutes on an idle machine)
 def test_bench_quick_prints_every_row_and_the_json_matches(tmp_path: Path) -> None:
-    # The command a user runs, on the CPU; the emulated device's own branches: below.
+    # The command a user runs, on the CPU; the emulated device's own branches: below. Every
+    # section and code path, each timing one call a case and each section one model where it
+    # measures several alike (SHAREDMEM_BENCH_SMOKE: the figures are checked for their form
+    # here, not their values; the whole bench --quick is what a user runs).
     device = "cpu"
     out = tmp_path / "bench.json"
     done = subprocess.run(
@@ -57,6 +60,7 @@ def test_bench_quick_prints_every_row_and_the_json_matches(tmp_path: Path) -> No
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env={**os.environ, "SHAREDMEM_BENCH_SMOKE": "1"},
     )
     assert done.returncode == 0, done.stderr  # whatever the verdicts: --check is not given
     assert "USDT" not in done.stderr and "profiler_st" not in done.stderr  # Kineto's log
@@ -65,7 +69,7 @@ def test_bench_quick_prints_every_row_and_the_json_matches(tmp_path: Path) -> No
     expected = [title for title, _, where in suite.SUITE if where == "all"]
     assert titles == expected  # every section that applies here, none that does not
     meta = payload["meta"]
-    assert meta["device"] == device and meta["quick"] is True
+    assert meta["device"] == device and meta["quick"] is True and meta["smoke"] is True
     assert meta["sharedmem"] == sm.__version__ and meta["torch"] == torch.__version__
     assert meta["python"] and meta["device_name"] and re.fullmatch(r"\d{4}-\d\d-\d\d", meta["date"])
     for section in payload["sections"]:

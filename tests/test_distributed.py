@@ -1,46 +1,40 @@
 """Pooled steps under torch.distributed: gloo ranks on CPU, spawned here, against eager DDP.
 
-Spawning ranks costs seconds, so each world size is spawned once (a module fixture) and runs
-every case; each rank records per case ``None`` or the traceback, and each test below reads
-its case's record from every rank. The ranks see different data, so a gradient that was not
-averaged, or averaged in another order, differs from eager DDP's.
+Spawning ranks costs seconds, so each world size is spawned once, for this file and
+tests/test_fsdp.py together (tests/worlds.py), and runs every case; each rank records per case
+``None`` or the traceback, and each test below reads its case's record from every rank. The
+ranks see different data, so a gradient that was not averaged, or averaged in another order,
+differs from eager DDP's.
 """
 
 from __future__ import annotations
 
 import copy
-import gc
-import importlib
 import json
 import os
 import re
-import socket
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+import worlds
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from worlds import Ranks
 
 import sharedmem as sm
 
-# The ranks are spawned once per world size (a module fixture): every test of this file in one
-# pytest-xdist worker, so that they are not spawned again in the other.
-pytestmark = pytest.mark.xdist_group("distributed")
+# The ranks are spawned once per world size (tests/worlds.py): every test of this file and of
+# test_fsdp in one pytest-xdist worker, so that they are not spawned again in the other. The
+# first test of a world waits for all its ranks (test_fsdp's cases too): as test_fsdp's, a
+# timeout past worlds.RANK_SECONDS, after which the ranks are killed and the test fails.
+pytestmark = [pytest.mark.xdist_group("distributed"), pytest.mark.timeout(600)]
 
-Ranks = dict[int, dict[str, str | None]]  # per rank, per case: None or the traceback
-CASES: dict[str, Callable[[int, int], None]] = {}
-
-
-def case(fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
-    CASES[fn.__name__] = fn
-    return fn
+# Every case runs on 2 and 3 ranks, in the worlds test_fsdp's cases share (tests/worlds.py).
+case = worlds.case(2, 3)
 
 
 def _mlp() -> nn.Module:
@@ -402,56 +396,12 @@ def fsdp2_refusals_name_the_alternative(rank: int, world: int) -> None:
         assert alternative in str(error.value), str(error.value)
 
 
-def _rank_main(rank: int, world: int, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    # As the distributed demo: nothing keeps the group past destroy_process_group, which then
-    # joins its threads (a gloo thread left for the interpreter's exit may abort the rank).
-    importlib.import_module("torch._dynamo")
-    # A failing rank must not leave the others waiting for ever in a collective.
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=180))
-    torch.set_num_threads(1)
-    results: dict[str, str | None] = {}
-    try:
-        for name, fn in CASES.items():
-            try:
-                fn(rank, world)
-                results[name] = None
-            except Exception:
-                results[name] = traceback.format_exc()
-            try:
-                dist.barrier()
-            except Exception:  # a rank stuck in a case: the group is broken, stop here
-                results[name] = (results[name] or "") + "the barrier after it failed:\n"
-                results[name] += traceback.format_exc()
-                break
-    finally:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}-ranks")
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Ranks:
-    world = request.param
-    out = tmp_path_factory.mktemp(f"ranks{world}")
-    # The router is compiled at first use (30-90 s on a fresh machine): here, once, before the
-    # ranks start, not inside a rank while the others wait at a barrier (a fresh clone's CI
-    # run timed out there, the build racing the ranks).
-    sm._routing.native()
-    mp.spawn(_rank_main, args=(world, _free_port(), str(out)), nprocs=world, join=True)
-    return {r: json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)}
+    return worlds.ranks(request.param, tmp_path_factory)
 
 
-def _check(ranks: Ranks, name: str) -> None:
-    failures = {r: res.get(name, "not run") for r, res in ranks.items()}
-    failed = {r: text for r, text in failures.items() if text is not None}
-    assert not failed, "\n".join(f"rank {r}:\n{text}" for r, text in failed.items())
+_check = worlds.check
 
 
 def test_gradients_losses_and_buffers_equal_eager_ddp(
@@ -518,7 +468,7 @@ def test_distributed_demo_joins_the_groups_threads_before_it_returns(tmp_path: P
     # doing so while the interpreter exits, it is ended inside a C++ destructor and the process
     # aborts ("terminate called without an active exception"). The demo destroys its group
     # for real before it returns: no gloo thread is left for the interpreter's exit.
-    mp.spawn(_demo_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_demo_rank, args=(2, worlds.free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         got = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
         assert got["status"] == 0

@@ -533,9 +533,9 @@ def test_where_recomputation_cannot_meet_a_budget_the_report_says_what_bounds_it
     # The floor bounds what runs: the step recomputing as much as lowers its peak, measured.
     pool = sm.BufferPool("cpu")
     most = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=pool, recompute=sm.Recompute.MOST)
-    for _ in range(2):
-        most.model.zero_grad(set_to_none=True)
-        held = allocator_peak(functools.partial(most, x, y)) + pool.stats()["reserved_bytes"]
+    most(x, y)  # captured and planned outside the profiler (with it, 25 s of tracing recorded)
+    most.model.zero_grad(set_to_none=True)
+    held = allocator_peak(functools.partial(most, x, y)) + pool.stats()["reserved_bytes"]
     assert held >= floor, (held, floor)
 
 

@@ -1,46 +1,35 @@
 """FSDP2 (``fully_shard``) on gloo ranks spawned here: the sharded estimate against what runs,
 and the pooled step against eager FSDP2 on 4 ranks (2 and 3: tests/test_distributed.py).
 
-Each world size is spawned once (a module fixture) and runs every case; each rank records per
-case ``None`` or the traceback. A rank that does not end in time is killed and the test fails
-naming it: a distributed test never hangs.
+Each world size is spawned once, for this file and tests/test_distributed.py together
+(tests/worlds.py), and runs every case; each rank records per case ``None`` or the traceback.
+A rank that does not end in time is killed and the test fails naming it: a distributed test
+never hangs.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
-import multiprocessing
-import os
-import socket
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+import worlds
 from torch import nn
+from worlds import Ranks
 
 import sharedmem as sm
 from sharedmem.testing import raw_allocator_peak as allocator_peak
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
-Ranks = dict[int, dict[str, str | None]]  # per rank, per case: None or the traceback
-CASES: dict[str, tuple[Callable[[int, int], None], tuple[int, ...]]] = {}
-RANK_SECONDS = 480  # every rank's whole run, spawn included; each collective times out sooner
+# Every world size the cases run on (2 and 4 ranks) is spawned once, with test_distributed's
+# cases of that size (tests/worlds.py).
+FSDP_WORLDS = (2, 4)
 
 
-def case(*worlds: int) -> Callable[[Callable[[int, int], None]], Callable[[int, int], None]]:
-    """A case, run on the world sizes ``worlds`` (every one where none is given)."""
-
-    def register(fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
-        CASES[fn.__name__] = (fn, worlds)
-        return fn
-
-    return register
+def case(*sizes: int) -> Callable[[worlds.Case], worlds.Case]:
+    """A case, run on the world sizes ``sizes`` (both of ``FSDP_WORLDS`` where none is given)."""
+    return worlds.case(*(sizes or FSDP_WORLDS))
 
 
 def _uneven() -> nn.Module:
@@ -344,82 +333,12 @@ def estimate_refuses_a_sharded_model(rank: int, world: int) -> None:
         sm.estimate(model, torch.randn(2, 4), world_size=world)
 
 
-def _rank_main(rank: int, world: int, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    # As the distributed demo: nothing keeps the group past destroy_process_group, which then
-    # joins its threads (a gloo thread left for the interpreter's exit may abort the rank).
-    importlib.import_module("torch._dynamo")
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    torch.set_num_threads(1)
-    results: dict[str, str | None] = {}
-    try:
-        for name, (fn, worlds) in CASES.items():
-            if worlds and world not in worlds:
-                continue
-            try:
-                fn(rank, world)
-                results[name] = None
-            except Exception:
-                results[name] = traceback.format_exc()
-            try:
-                dist.barrier()
-            except Exception:  # a rank stuck in a case: the group is broken, stop here
-                results[name] = (results[name] or "") + "the barrier after it failed:\n"
-                results[name] += traceback.format_exc()
-                break
-    finally:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(world: int, out: Path) -> None:
-    """Runs ``world`` ranks to their end; a rank still running after ``RANK_SECONDS`` is
-    killed, with every other, and the fixture fails naming it."""
-    import time
-
-    context = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [
-        context.Process(target=_rank_main, args=(r, world, port, str(out)), daemon=True)
-        for r in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + RANK_SECONDS
-    try:
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
-    if hung:
-        pytest.fail(f"ranks {hung} of {world} still ran after {RANK_SECONDS} s: killed")
-    failed = {r: proc.exitcode for r, proc in enumerate(procs) if proc.exitcode}
-    assert not failed, f"ranks ended with exit codes {failed}"
-
-
 @pytest.fixture(scope="module")
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Ranks:
-    world = request.param
-    out = tmp_path_factory.mktemp(f"fsdp{world}")
-    sm._routing.native()  # the router built once here, not inside a rank while others wait
-    _spawn(world, out)
-    return {r: json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)}
+    return worlds.ranks(request.param, tmp_path_factory)
 
 
-def _check(ranks: Ranks, name: str) -> None:
-    failures = {r: res.get(name, "not run") for r, res in ranks.items()}
-    failed = {r: text for r, text in failures.items() if text is not None}
-    assert not failed, "\n".join(f"rank {r}:\n{text}" for r, text in failed.items())
+_check = worlds.check
 
 
 FOUR = pytest.param(4, marks=pytest.mark.slow, id="4-ranks")
