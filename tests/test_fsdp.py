@@ -10,6 +10,7 @@ never hangs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -168,16 +169,27 @@ class _Block(nn.Sequential):
         super().__init__(nn.Linear(width, inner), nn.Tanh(), nn.Linear(inner, width))
 
 
-def _blocks(mesh: object, reshard: bool = True, *, blocks: int = 2, inner: int = 256) -> nn.Module:
+def _blocks(
+    mesh: object,
+    reshard: bool = True,
+    *,
+    blocks: int = 2,
+    inner: int = 256,
+    bf16: bool = False,
+) -> nn.Module:
     # Blocks whose inner activations a checkpoint drops, a head; each block and the head a
-    # unit, then the root.
-    from torch.distributed.fsdp import fully_shard
+    # unit, then the root. ``bf16``: FSDP2's mixed precision (bf16 compute, fp32 reduction).
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     model = nn.Sequential(*(_Block(32, inner) for _ in range(blocks)), nn.Linear(32, 4))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard}
+    if bf16:
+        shard["mp_policy"] = policy
     for layer in model:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)  # type: ignore[arg-type]
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)  # type: ignore[arg-type]
+        fully_shard(layer, **shard)
+    fully_shard(model, **shard)
     return model
 
 
@@ -212,21 +224,23 @@ def pooled_train_step_on_fsdp2_equals_eager(rank: int, world: int) -> None:
     # sm.pooled_train_step on a model sharded per layer and at the root: eager FSDP2's loss and
     # full gradients bit for bit over several steps, reshard_after_forward True and False,
     # gradient accumulation by the user (set_requires_gradient_sync(False) on the first of two
-    # micro-batches), and a fixed chunk count (against eager FSDP2 in the same chunks: one
-    # reduce-scatter per step). Every call after the first of a signature follows its plan.
+    # micro-batches), a fixed chunk count (against eager FSDP2 in the same chunks: one
+    # reduce-scatter per step), and FSDP2's mixed precision (bf16 compute, fp32 reduction).
+    # Every call after the first of a signature follows its plan.
     # Problems are collected: a rank stopping early would leave the others in a collective.
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     problems: list[str] = []
-    for reshard, micro, chunks in ((True, 1, 1), (False, 2, 1), (True, 1, 2)):
-        eager, pooled = _blocks(mesh, reshard), _blocks(mesh, reshard)
+    cases = ((True, 1, 1, False), (False, 2, 1, False), (True, 1, 2, False), (True, 1, 1, True))
+    for reshard, micro, chunks, bf16 in cases:
+        eager, pooled = _blocks(mesh, reshard, bf16=bf16), _blocks(mesh, reshard, bf16=bf16)
         pool = sm.BufferPool("cpu")
         kwargs = {"chunks": chunks} if chunks > 1 else {}
         step = sm.pooled_train_step(pooled, nn.functional.mse_loss, pool=pool, **kwargs)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, pooled)]
         for i in range(STEP_CALLS):
-            when = f"reshard={reshard} micro-batches={micro} chunks={chunks} step {i}"
+            when = f"reshard={reshard} micro-batches={micro} chunks={chunks} bf16={bf16} step {i}"
             for opt in opts:
                 opt.zero_grad()
             for k in range(micro):
