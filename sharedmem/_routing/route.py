@@ -3,10 +3,16 @@
 The first call of a signature runs inside the arena as it is: the router serves each
 allocation at the smallest free range of the arena's bytes that holds it (best fit), and
 PyTorch only what does not fit (on an empty arena, all of it, as without a pool), so the
-first call of a new state costs no more than the arena's free room lacks. Its sequence is
-then planned offline (``choose_plan``) into the arena as it is: its bytes are reserved
+first call of a new state costs no more than the arena's free room lacks. A traced step's
+first call is planned before it runs (``predict``): its graph and measured kernels predict
+its sequence, the arena grows to that sequence's plan first, and the router serves each
+allocation at its predicted place where the call keeps to the prediction (best fit where not),
+so that call is served from the arena at the plan's peak. Its real sequence is then planned
+offline (``choose_plan``) into the arena as it is: its bytes are reserved
 already, the ranges other tensors hold in it at the call's start are fences packed around,
-and it grows only where the plan lowers the step's peak by growing. Later calls replay: the
+and it grows only where the plan lowers the step's peak by growing, when the next call
+begins (the recording call's values, its gradients, are still held when it ends: an arena
+grown then would add to that call's peak what no call holds at once). Later calls replay: the
 n-th allocation gets its planned address. A call that leaves its plan (another size, another
 count, or an allocation whose bytes are still held) is served by PyTorch from there on,
 counted, and the signature is recorded anew on its next call (inside the arena again); no
@@ -149,9 +155,6 @@ class Route:
         # was served by such a plan.
         self.predicted: Recording | None = None
         self.guided = False
-        # The most bytes the arena may grow to for the next call (a budget's room), beside
-        # the pool's limit; ``None``: the limit alone.
-        self.room: int | None = None
         self._plans: OrderedDict[Fences, _Planned] = OrderedDict()
         self._redo = False  # the next call records anew
         self.last: dict[str, int] = {}  # the counts of the latest replay
@@ -275,8 +278,8 @@ class Route:
     def predict(self, recording: Recording) -> None:
         """``recording``: the call's allocation sequence as its traced graph predicts it (its
         measured kernels' scratch included). The route's first call is planned by it before
-        it runs (``_guide``): the arena grown to that plan's need, within the pool's limit
-        and ``room``, and the call served at the plan's places where it keeps to the
+        it runs (``_guide``): the arena grown to that plan's need, within the pool's limit,
+        and the call served at the plan's places where it keeps to the
         prediction, best fit in the arena where it does not."""
         with self._lock:
             self.predicted = recording
@@ -303,10 +306,6 @@ class Route:
         outliving = [i for i, free in enumerate(predicted.free_at) if free < 0]
         grow = not fences or self.optimizer
         ceiling = self._ceiling() if grow else capacity
-        if ceiling is not None and self.room is not None:
-            ceiling = max(capacity, min(ceiling, self.room))
-        elif self.room is not None:
-            ceiling = max(capacity, self.room)
         plan = choose_plan(
             placeable(predicted, outliving),
             capacity=capacity,
