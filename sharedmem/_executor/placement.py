@@ -254,10 +254,10 @@ def _max(values: np.ndarray) -> int:
     return int(values.max()) if values.size else 0
 
 
-# Within one node of a graph's eager run: its kernel's scratch is allocated (oneDNN reorders
-# a weight before it writes a result), then its results; the scratch is freed before the
-# values the node read for the last time are.
-_SCRATCH, _RESULT, _SCRATCH_FREED, _LAST_READ = range(4)
+# Within one node of a graph's eager run: its results are allocated, then its kernel's
+# scratch, which is freed before the values the node read for the last time are (where the
+# kernel's own sequence was measured, ``as_recording`` follows it instead).
+_RESULT, _SCRATCH, _SCRATCH_FREED, _LAST_READ = range(4)
 
 
 def as_recording(
@@ -282,7 +282,7 @@ def as_recording(
         >>> # a value read last at node 1; a gradient made there; that node's scratch
         >>> rec = as_recording([Lifetime(64, 0, 1)], [Lifetime(8, 1, 1)], [Lifetime(32, 1, 1)])
         >>> list(rec.sizes), list(rec.alloc_at), list(rec.free_at)
-        ([64, 8, 32], [0, 2, 1], [4, -1, 3])
+        ([64, 8, 32], [0, 1, 2], [4, -1, 3])
         >>> # its kernel: 16 bytes of scratch, the result, 24 more, both freed before it ends
         >>> rec = as_recording([Lifetime(64, 0, 1)], [Lifetime(8, 1, 1)], [Lifetime(40, 1, 1)],
         ...                    {1: [(16, 0, 3), (8, 1, -1), (24, 2, 4)]})
