@@ -81,6 +81,8 @@ class SlotPlan(NamedTuple):
     unpooled_bytes: int  # bytes of intermediates allocated beside the pool per call
     unpooled_ops: tuple[str, ...]
     alone: dict[str, int]  # the bytes per slot the same plan needs on a pool of its own
+    # A routed graph's allocation sequence as predicted (``as_recording``), or ``None``.
+    predicted: Recording | None = None
 
 
 @dataclass(frozen=True)
@@ -298,9 +300,9 @@ class Executor:
         traced, recomputed = self._recompute(traced, recompute)
         gm = traced.gm
         routed = self._routed(outputs_in_pool)
-        # A routed call's first run records its allocations, kernels' scratch included:
-        # measuring the kernels beforehand would cost time for nothing.
-        analysis = analyse(gm, self.device, measure=not routed)
+        # A routed call's first run is planned before it runs, by the sequence the graph and
+        # its measured kernels predict (``Route.predict``), and records the real one.
+        analysis = analyse(gm, self.device, measure=self.measure_kernels or not routed)
         plan = self._plan(analysis, traced, outputs_in_pool, routed=routed)
         for name, nbytes in plan.slot_bytes.items():
             # Grow now, once: views fetched during a call then never see a growth.
@@ -325,6 +327,12 @@ class Executor:
             taps=taps,
             on_ready=grad_ready,
         )
+        route = None
+        if routed:
+            training = grad_ready is not None or self._trains
+            route = Route(self.pool, f"{self.prefix}0", training=training)
+            if plan.predicted is not None:
+                route.predict(plan.predicted)
         return Compiled(
             runner,
             source,
@@ -334,9 +342,7 @@ class Executor:
             traced.stored,
             autocast,
             traced.spec,
-            Route(self.pool, f"{self.prefix}0", training=grad_ready is not None or self._trains)
-            if routed
-            else None,
+            route,
             n_data,
         )
 
@@ -564,6 +570,7 @@ class Executor:
         fresh = [*(analysis.lifetimes[i] for i in kept), *analysis.beside, *analysis.scratch]
         horizon = len(traced.gm.graph.nodes)
         offsets: list[int | None] = [0] * len(joined)
+        recording: Recording | None = None
         if routed:
             # Every op allocates as eager does and the router serves it from the arena; what
             # the arena serves is known exactly once a call is recorded. Before that (an
@@ -572,7 +579,7 @@ class Executor:
             # without out= and kernel scratch may go into the arena; what the call returns
             # stays beside.
             returned = analysis.beside_returned
-            recording = as_recording(
+            values = (
                 [*joined, *(b for b, r in zip(analysis.beside, returned, strict=True) if not r)],
                 [
                     *(analysis.lifetimes[i] for i in kept),
@@ -580,8 +587,10 @@ class Executor:
                 ],
                 analysis.scratch,
             )
+            # The first call's guide: each measured kernel's own allocations in their order.
+            recording = as_recording(*values, analysis.sequences)
             routed_plan = choose_plan(
-                recording,
+                as_recording(*values),
                 capacity=existing.get(f"{self.prefix}0", 0),
                 granularity=self.pool.granularity,
                 ceiling=self.pool.growth_room(f"{self.prefix}0"),  # a pool limit, as the router
@@ -653,6 +662,7 @@ class Executor:
             0 if routed else analysis.unpooled_bytes + sum(life.nbytes for life in left),
             () if routed else tuple(dict.fromkeys([*analysis.unpooled_ops, *ops])),
             alone,
+            recording,
         )
 
     def _summary(

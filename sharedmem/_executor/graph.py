@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -120,6 +120,8 @@ class Analysis:
     beside_returned: tuple[bool, ...] = ()
     floor: int = 0
     floor_op: str = ""
+    # Per node whose kernel was measured, its allocations in order (``KernelMemory.sequence``).
+    sequences: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
 
 
 def op_name(target: object) -> str:
@@ -149,6 +151,7 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     plain_starts: list[int] = []
     scratch: list[Lifetime] = []
     measured_scratch: dict[int, int] = {}
+    sequences: dict[int, tuple[tuple[int, int, int], ...]] = {}
     for i, node in enumerate(nodes):
         results = [r for r in _results(node) if isinstance(r, torch.Tensor)]
         for r in results:
@@ -184,6 +187,8 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
                     scratch.append(Lifetime(work, i, i))
                 if measured and measured.scratch:  # a floor counts no modelled bytes
                     measured_scratch[i] = measured.scratch
+                if measured and measured.sequence:
+                    sequences[i] = measured.sequence
                 steps.append(NodeRun(node, i, rule))
             elif rule.kind is Kind.ALIAS:
                 if not set(keys) <= seen:
@@ -262,6 +267,7 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
         tuple(beside_returned),
         floor,
         "" if floor_at is None else f"{op_name(floor_at.target)}{where(floor_at)}",
+        sequences,
     )
 
 

@@ -27,7 +27,7 @@ pointwise results written over dying operands.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -255,17 +255,26 @@ def _max(values: np.ndarray) -> int:
 
 
 # Within one node of a graph's eager run: its results are allocated, then its kernel's
-# scratch, which is freed before the values the node read for the last time are.
+# scratch, which is freed before the values the node read for the last time are (where the
+# kernel's own sequence was measured, ``as_recording`` follows it instead).
 _RESULT, _SCRATCH, _SCRATCH_FREED, _LAST_READ = range(4)
 
 
 def as_recording(
-    dying: Sequence[Lifetime], outliving: Sequence[Lifetime], scratch: Sequence[Lifetime]
+    dying: Sequence[Lifetime],
+    outliving: Sequence[Lifetime],
+    scratch: Sequence[Lifetime],
+    sequences: Mapping[int, Sequence[tuple[int, int, int]]] | None = None,
 ) -> Recording:
     """The allocation sequence a graph's eager run makes, as the router would record it:
     ``dying`` values are freed after their last read, ``outliving`` ones never (they outlive
     the call), ``scratch`` is allocated and freed at its node. Planned with the router's own
     ``choose_plan``, it stands for a routed step's plan before the step has run once.
+
+    ``sequences``: per node, its kernel's own allocations in order as measured
+    (``KernelMemory.sequence``): where each of the node's results is one of them, the node
+    allocates as its kernel does (each piece of scratch, in its order among the results)
+    instead of one lump of scratch after its results: the sequence a guided first call meets.
 
     Example::
 
@@ -274,9 +283,16 @@ def as_recording(
         >>> rec = as_recording([Lifetime(64, 0, 1)], [Lifetime(8, 1, 1)], [Lifetime(32, 1, 1)])
         >>> list(rec.sizes), list(rec.alloc_at), list(rec.free_at)
         ([64, 8, 32], [0, 1, 2], [4, -1, 3])
+        >>> # its kernel: 16 bytes of scratch, the result, 24 more, both freed before it ends
+        >>> rec = as_recording([Lifetime(64, 0, 1)], [Lifetime(8, 1, 1)], [Lifetime(40, 1, 1)],
+        ...                    {1: [(16, 0, 3), (8, 1, -1), (24, 2, 4)]})
+        >>> list(rec.sizes), list(rec.alloc_at), list(rec.free_at)
+        ([64, 8, 16, 24], [0, 2, 1, 3], [6, -1, 4, 5])
     """
     sizes: list[int] = []
-    events: list[tuple[int, int, int, bool]] = []  # (node, phase, allocation, allocates)
+    # (node, phase, order within the node and phase, allocation, allocates)
+    events: list[tuple[int, int, int, int, bool]] = []
+    kernels = _kernel_orders(dying, outliving, sequences or {})
     for life, kind in (
         *((life, "dies") for life in dying),
         *((life, "outlives") for life in outliving),
@@ -284,16 +300,57 @@ def as_recording(
     ):
         if not life.nbytes:
             continue
+        if kind == "scratch" and life.start in kernels:
+            continue  # its kernel's own pieces below
         i = len(sizes)
         sizes.append(life.nbytes)
         if kind == "scratch":
-            events += [(life.start, _SCRATCH, i, True), (life.start, _SCRATCH_FREED, i, False)]
+            events += [
+                (life.start, _SCRATCH, i, i, True),
+                (life.start, _SCRATCH_FREED, i, i, False),
+            ]
             continue
-        events.append((life.start, _RESULT, i, True))
+        found = kernels.get(life.start)
+        tick = found[0].pop(id(life), i) if found is not None else i
+        events.append((life.start, _RESULT, tick, i, True))
         if kind == "dies":
-            events.append((life.end, _LAST_READ, i, False))
+            events.append((life.end, _LAST_READ, i, i, False))
+    for node, (_, pieces) in sorted(kernels.items()):
+        for size, allocated, freed in pieces:
+            i = len(sizes)
+            sizes.append(size)
+            events += [(node, _RESULT, allocated, i, True), (node, _RESULT, freed, i, False)]
     alloc_at = [0] * len(sizes)
     free_at = [-1] * len(sizes)
-    for tick, (_, _, i, allocates) in enumerate(sorted(events)):
+    for tick, (*_, i, allocates) in enumerate(sorted(events)):
         (alloc_at if allocates else free_at)[i] = tick
     return Recording(sizes, alloc_at, free_at)
+
+
+def _kernel_orders(
+    dying: Sequence[Lifetime],
+    outliving: Sequence[Lifetime],
+    sequences: Mapping[int, Sequence[tuple[int, int, int]]],
+) -> dict[int, tuple[dict[int, int], list[tuple[int, int, int]]]]:
+    """Per node whose kernel sequence accounts for each of its results: each result's tick
+    in the kernel (by ``id`` of its lifetime) and the kernel's other allocations, its scratch
+    (``(size, allocated, freed)``)."""
+    results: dict[int, list[Lifetime]] = {}
+    for life in (*dying, *outliving):
+        if life.nbytes and life.start in sequences:
+            results.setdefault(life.start, []).append(life)
+    found: dict[int, tuple[dict[int, int], list[tuple[int, int, int]]]] = {}
+    for node, lives in results.items():
+        ticks: dict[int, int] = {}
+        pieces: list[tuple[int, int, int]] = []
+        waiting = list(lives)
+        for size, allocated, freed in sequences[node]:
+            match = next((life for life in waiting if life.nbytes == size), None)
+            if freed < 0 and match is not None:
+                waiting.remove(match)
+                ticks[id(match)] = allocated
+            elif freed >= 0 and size:
+                pieces.append((size, allocated, freed))
+        if not waiting:
+            found[node] = (ticks, pieces)
+    return found

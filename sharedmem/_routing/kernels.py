@@ -47,6 +47,10 @@ class KernelMemory(NamedTuple):
 
     scratch: int
     results: tuple[int, ...]
+    # Every allocation of the call in order, as ``(size, allocated, freed)``: the ticks of
+    # its allocation and free in the call (one per allocation and per free), freed -1 for
+    # what the call returns.
+    sequence: tuple[tuple[int, int, int], ...] = ()
 
 
 _cache: dict[tuple[Any, ...], KernelMemory | None] = {}
@@ -180,4 +184,10 @@ def _measure(
             if isinstance(leaf, torch.Tensor)
         )
         del out
-    return KernelMemory(max(0, recording.live_peak() - recording.outliving_bytes), results)
+    order = sorted(range(len(recording.sizes)), key=recording.alloc_at.__getitem__)
+    sequence = tuple(
+        (int(recording.sizes[i]), int(recording.alloc_at[i]), int(recording.free_at[i]))
+        for i in order
+    )
+    scratch = max(0, recording.live_peak() - recording.outliving_bytes)
+    return KernelMemory(scratch, results, sequence)

@@ -3,10 +3,16 @@
 The first call of a signature runs inside the arena as it is: the router serves each
 allocation at the smallest free range of the arena's bytes that holds it (best fit), and
 PyTorch only what does not fit (on an empty arena, all of it, as without a pool), so the
-first call of a new state costs no more than the arena's free room lacks. Its sequence is
-then planned offline (``choose_plan``) into the arena as it is: its bytes are reserved
+first call of a new state costs no more than the arena's free room lacks. A traced step's
+first call is planned before it runs (``predict``): its graph and measured kernels predict
+its sequence, the arena grows to that sequence's plan first, and the router serves each
+allocation at its predicted place where the call keeps to the prediction (best fit where not),
+so that call is served from the arena at the plan's peak. Its real sequence is then planned
+offline (``choose_plan``) into the arena as it is: its bytes are reserved
 already, the ranges other tensors hold in it at the call's start are fences packed around,
-and it grows only where the plan lowers the step's peak by growing. Later calls replay: the
+and it grows only where the plan lowers the step's peak by growing, when the next call
+begins (the recording call's values, its gradients, are still held when it ends: an arena
+grown then would add to that call's peak what no call holds at once). Later calls replay: the
 n-th allocation gets its planned address. A call that leaves its plan (another size, another
 count, or an allocation whose bytes are still held) is served by PyTorch from there on,
 counted, and the signature is recorded anew on its next call (inside the arena again); no
@@ -53,7 +59,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._backends import cuda_torch_ops
+from .._backends import cuda_torch_ops, round_up
 from .._errors import OutOfMemoryError
 from . import optimizer
 from .cuda_native import cuda_router
@@ -144,6 +150,11 @@ class Route:
         self.family = family
         self.plan: RoutePlan | None = None  # the plan the latest call served by
         self.recording: Recording | None = None
+        # The call's allocation sequence as its traced graph predicts it (``predict``): the
+        # first call is planned by it before it runs; ``guided``: the latest recorded call
+        # was served by such a plan.
+        self.predicted: Recording | None = None
+        self.guided = False
         self._plans: OrderedDict[Fences, _Planned] = OrderedDict()
         self._redo = False  # the next call records anew
         self.last: dict[str, int] = {}  # the counts of the latest replay
@@ -174,10 +185,17 @@ class Route:
                 planned = self._planned(lane, fences)
             place = None if planned is None else self._place(lane, planned.plan)
             if planned is None or place is None:
+                # A first call with a predicted sequence: the arena grown to that sequence's
+                # plan before it runs, and the call served by the plan where it keeps to it.
+                with self._lock:
+                    guide = self._guide(lane, fences) if planned is None else None
+                self.guided = guide is not None
                 before = self._host.device_capacity(lane)
                 room = self._room(lane)
                 if room is None:
                     router.begin_record(0, 0, None)
+                elif guide is not None and not _on_cuda(self._host):
+                    router.begin_record(room.data_ptr(), room.numel(), room, guide)
                 else:  # the router keeps the view's memory while a tensor lives in it
                     router.begin_record(room.data_ptr(), room.numel(), room)
                 completed = False
@@ -262,6 +280,49 @@ class Route:
         self.plan = planned.plan
         return planned
 
+    def predict(self, recording: Recording) -> None:
+        """``recording``: the call's allocation sequence as its traced graph predicts it (its
+        measured kernels' scratch included). The route's first call is planned by it before
+        it runs (``_guide``): the arena grown to that plan's need, within the pool's limit,
+        and the call served at the plan's places where it keeps to the
+        prediction, best fit in the arena where it does not."""
+        with self._lock:
+            self.predicted = recording
+
+    def _guide(self, lane: str, fences: Fences) -> Any | None:
+        """The router's plan of the predicted sequence for a recording call on ``lane``
+        that finds ``fences`` held, with ``lane`` grown to its need; ``None`` where there is
+        none (nothing predicted, the route recorded already, or no router): the call records
+        by best fit in the lane as it is (the caller holds the lock)."""
+        predicted = self.predicted
+        if predicted is None or self.recording is not None or _on_cuda(self._host):
+            return None
+        module = _module(self._host)
+        if module is None:
+            return None
+        host = self._host
+        capacity = host.device_capacity(lane)
+        order = sorted(range(len(predicted.sizes)), key=predicted.alloc_at.__getitem__)
+        predicted = Recording(
+            [predicted.sizes[i] for i in order],
+            [predicted.alloc_at[i] for i in order],
+            [predicted.free_at[i] for i in order],
+        )  # in allocation order, as the router meets them
+        outliving = [i for i, free in enumerate(predicted.free_at) if free < 0]
+        grow = not fences or self.optimizer
+        ceiling = self._ceiling() if grow else capacity
+        plan = choose_plan(
+            placeable(predicted, outliving),
+            capacity=capacity,
+            granularity=host.granularity,
+            ceiling=ceiling,
+            fences=fences,
+        )
+        if plan.need > capacity and self._place(lane, plan) is None:
+            return None  # the lane cannot grow now: best fit in it as it is
+        offsets = [o if o >= 0 else -2 for o in plan.offsets]
+        return module.Plan(list(predicted.sizes), offsets, [0] * len(offsets))
+
     def _room(self, lane: str) -> torch.Tensor | None:
         """``lane`` as it is, for a recording served inside it by best fit (``None``: no
         arena yet, PyTorch serves the call)."""
@@ -322,7 +383,10 @@ class Route:
                 self._held = set()
                 self._plans.clear()
                 grow = not fences or self.optimizer
-                self.plan = self._adopt(recording, lane, fences, grow=grow).plan
+                # The arena grows for this plan when the next call begins (``_place``), not
+                # now: this call's values (gradients) are still held, and an arena grown
+                # beside them would add to its peak what no call needs at once.
+                self.plan = self._adopt(recording, lane, fences, grow=grow, now=False).plan
 
     def derive(self, recording: Recording) -> None:
         """Plan ``recording``, a sequence derived rather than recorded (another size of a
@@ -356,10 +420,13 @@ class Route:
                 out[i] = t.clone()
         return out
 
-    def _adopt(self, recording: Recording, lane: str, fences: Fences, *, grow: bool) -> _Planned:
+    def _adopt(
+        self, recording: Recording, lane: str, fences: Fences, *, grow: bool, now: bool = True
+    ) -> _Planned:
         # Outside any scope: growing the arena is the pool's own allocation. Only the call
         # that holds the arena grows it; one on another lane grows that lane as it replays.
-        # The caller holds the lock.
+        # ``now=False``: the plan is made for the arena it may grow to, and the arena grows
+        # when the next call begins (``_place``). The caller holds the lock.
         host = self._host
         before = self._capacity()
         ceiling = self._ceiling() if grow else before
@@ -395,13 +462,15 @@ class Route:
             plan, need = shared.plan, shared.need
             if shared.reused:
                 host.count("shared_plans", 1)
-        if need and lane == self._arena:  # its base too: inputs are unaliased against it
+        if need and lane == self._arena and now:  # its base too: inputs are unaliased
             try:
                 view = host.tensor(self._arena, (need,), torch.uint8)
                 host.arenas.served_from(self._arena, view.data_ptr())
             except OutOfMemoryError:  # the limit's arithmetic was off: keep to what is there
                 plan = plan_offsets(spread, ceiling=self._capacity(), fences=fences)
-        covers = self._capacity()
+        covers = (
+            self._capacity() if now else max(self._capacity(), round_up(need, host.granularity))
+        )
         self.added_bytes = max(self.added_bytes, covers - before)
         # To the router: -1 for what outlived the recorded call and stays PyTorch's (watched:
         # dying inside a later call, it says the recording is stale), -2 for what the plan

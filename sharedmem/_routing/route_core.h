@@ -13,6 +13,13 @@
 //   arena that holds it (best fit, 64-byte aligned), upstream where none does: a signature's
 //   first call runs inside the pool's bytes as they are, and what it spends upstream is what
 //   the arena lacked.
+// - A recording scope may be guided by a plan of the call's predicted sequence (the traced
+//   graph's, in allocation order): an allocation takes the place the plan gave the earliest
+//   predicted allocation of its size not taken yet, if that one comes at most
+//   ``kGuideWindow`` predicted allocations past the latest one taken, and where that range
+//   is free (upstream where the plan left it beside, or it is under ``kGuideSmall`` bytes);
+//   else best fit. The first call is then served as planned, whatever the prediction missed
+//   (an allocation it did not foresee does not pull the guide ahead).
 // - A plan may place allocations that outlive the call (gradients, the loss): they stay in the
 //   arena's live map, fenced, until freed wherever that happens.
 #pragma once
@@ -76,9 +83,21 @@ struct Scope {
   std::shared_ptr<Plan> plan;
   std::shared_ptr<Arena> arena;
   c10::Storage owner;  // the arena's memory (undefined: the caller gave none)
+  // A recording's guide: a plan of its predicted sequence, and per size the guide's
+  // allocations of that size in order with how many of them were taken so far.
+  std::shared_ptr<Plan> guide;
+  std::unordered_map<int64_t, std::pair<std::vector<int64_t>, size_t>> by_size;
+  int64_t guided_to = 0;  // one past the latest predicted allocation taken
   Counts counts;
   std::vector<Served> served;  // the arena allocations this scope handed out
 };
+
+// How far past the latest predicted allocation taken a guided recording takes the next one of
+// an allocation's size (further: the prediction is taken to lack it, and best fit serves).
+constexpr int64_t kGuideWindow = 4;
+// Predicted allocations under this many bytes (scalars) are left to PyTorch in a guided
+// recording.
+constexpr size_t kGuideSmall = 16;
 
 // What the n-th allocation of a scope gets.
 enum class Serve {
@@ -110,6 +129,25 @@ class State {
       if (scope.arena && n > 0) {
         std::lock_guard<std::mutex> lock(mutex_);
         Arena& arena = *scope.arena;
+        if (scope.guide) {
+          auto found = scope.by_size.find(static_cast<int64_t>(n));
+          if (found != scope.by_size.end() && found->second.second < found->second.first.size() &&
+              found->second.first[found->second.second] <= scope.guided_to + kGuideWindow) {
+            int64_t next = found->second.first[found->second.second++];
+            scope.guided_to = std::max(scope.guided_to, next + 1);
+            int64_t offset = scope.guide->offsets[next];
+            // Planned beside the arena; or a scalar, which the prediction may have swapped
+            // with a peer of its size that lives longer (the loss and a temporary): in the
+            // other's place it would split the ranges the plan keeps for large ones.
+            if (offset < 0 || n < kGuideSmall) return {Serve::kWatched, nullptr};
+            uintptr_t at = arena.base + static_cast<uintptr_t>(offset);
+            if (at + n <= arena.base + arena.size && free_range(arena, at, at + n)) {
+              take(arena, scope, at, n, index);
+              append(scope, reinterpret_cast<void*>(at), n, offset);
+              return {Serve::kArena, reinterpret_cast<void*>(at)};
+            }
+          }
+        }
         uintptr_t start = best_fit(arena, n);
         if (start != 0) {
           take(arena, scope, start, n, index);
@@ -193,12 +231,20 @@ class State {
 
   // ``size`` 0: no arena, every allocation upstream.
   // ``owner``: the arena's memory, held by the arena while allocations live in it.
-  std::unique_ptr<Scope> recording_scope(uintptr_t base, size_t size, c10::Storage owner = {}) {
+  // ``guide``: a plan of the call's predicted sequence (or none: best fit alone).
+  std::unique_ptr<Scope> recording_scope(uintptr_t base, size_t size, c10::Storage owner = {},
+                                         std::shared_ptr<Plan> guide = nullptr) {
     auto scope = std::make_unique<Scope>();
     scope->recording = true;
     scope->owner = std::move(owner);
     scope->rec = std::make_shared<Recording>();
     if (size > 0) scope->arena = arena_at(base, size);
+    if (size > 0 && guide) {
+      for (size_t i = 0; i < guide->sizes.size(); ++i) {
+        scope->by_size[guide->sizes[i]].first.push_back(static_cast<int64_t>(i));
+      }
+      scope->guide = std::move(guide);
+    }
     return scope;
   }
 

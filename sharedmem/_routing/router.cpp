@@ -94,11 +94,13 @@ c10::Storage storage_of(const std::optional<at::Tensor>& owner) {
 
 // ``size`` 0: no arena (every allocation upstream); else best fit in [base, base + size).
 // ``owner``: a tensor over the arena's memory, which the arena keeps while it serves a
-// tensor still alive.
-void begin_record(uintptr_t base, size_t size, const std::optional<at::Tensor>& owner) {
+// tensor still alive. ``guide``: a plan of the call's predicted sequence, followed where the
+// call keeps to it (``State::decide``).
+void begin_record(uintptr_t base, size_t size, const std::optional<at::Tensor>& owner,
+                  const std::shared_ptr<Plan>& guide) {
   check_idle();
   TORCH_CHECK(base % 64 == 0, "sharedmem: the arena's address is not 64-byte aligned");
-  t_scope = g_state.recording_scope(base, size, storage_of(owner)).release();
+  t_scope = g_state.recording_scope(base, size, storage_of(owner), guide).release();
 }
 
 // The recording as four lists (size, allocated at, freed at or -1, arena offset or -1), and
@@ -152,7 +154,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   sharedmem_route::bind_plan(m);
   m.def("install", &install);
   m.def("begin_record", &begin_record, pybind11::arg("base"), pybind11::arg("size"),
-        pybind11::arg("owner") = pybind11::none());
+        pybind11::arg("owner") = pybind11::none(), pybind11::arg("guide") = nullptr);
   m.def("end_record", &end_record);
   m.def("begin_replay", &begin_replay, pybind11::arg("plan"), pybind11::arg("base"),
         pybind11::arg("size"), pybind11::arg("owner") = pybind11::none());
