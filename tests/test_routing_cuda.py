@@ -57,16 +57,18 @@ def _holds(block: Block, byte: int) -> bool:
     return bytes(ctypes.string_at(block.ptr, block.size)) == bytes([byte]) * block.size
 
 
-def _recorded(cuda_sim: Any) -> tuple[PluggableAllocator, sm.BufferPool, Route, tuple[int, int]]:
+def _recorded(cuda_sim: Any) -> tuple[PluggableAllocator, sm.BufferPool, Route]:
     """The router installed, a CUDA pool, and a route whose step was recorded once (its
-    gradient freed after): the next call replays."""
+    gradient freed after): the next call replays. The arena is grown to the recording's plan
+    when that call begins (not beside what the recording call left held): read it after."""
     allocator = _install(cuda_sim)
     pool = sm.BufferPool("cuda")
     route = Route(pool, "act.0", training=True)
     with route.scope():
         first = _step(allocator)
     first.free()
-    return allocator, pool, route, _arena(pool)
+    assert _arena(pool) == (0, 0) or pool.stats()["reserved_bytes"] == 0
+    return allocator, pool, route
 
 
 def _step(allocator: PluggableAllocator, **stream: Any) -> Block:
@@ -97,7 +99,6 @@ class TestServedFromTheArena:
         with route.scope():  # recorded: every allocation upstream
             first = _step(allocator)
         assert route.plan is not None and pool.stats()["recorded_calls"] == 1
-        arena = _arena(pool)
         served: list[Block] = []
         real_allocate = allocator.allocate
 
@@ -110,6 +111,7 @@ class TestServedFromTheArena:
         with route.scope():
             grad = _step(allocator)
         allocator.allocate = real_allocate  # type: ignore[method-assign]
+        arena = _arena(pool)  # grown as this call began
         activations, kept = served[:3], served[3]
         # the gradient outlives the call: planned into the arena too, fenced while held; the
         # first call's ran upstream (the arena was empty then)
@@ -130,7 +132,7 @@ class TestServedFromTheArena:
         # What an optimizer step that makes its state runs in (``_routing/optimizer.py``).
         from sharedmem._routing.route import _scopes
 
-        allocator, pool, route, arena = _recorded(cuda_sim)
+        allocator, pool, route = _recorded(cuda_sim)
         with route.scope():
             scopes = _scopes(pool)
             token = scopes.suspend()
@@ -139,6 +141,7 @@ class TestServedFromTheArena:
             scopes.resume(token)
             assert scopes.active()
             grad = _step(allocator)
+        arena = _arena(pool)
         assert not _inside(state, arena) and _inside(grad, arena)
         assert route.last["served_bytes"] == 178_192 and route.last["diverged_at"] == -1
         for block in (state, grad):
@@ -147,12 +150,13 @@ class TestServedFromTheArena:
     def test_allocations_on_other_streams_and_outside_a_scope_are_never_the_arenas(
         self, cuda_sim: Any
     ) -> None:
-        allocator, _pool, route, arena = _recorded(cuda_sim)
+        allocator, pool, route = _recorded(cuda_sim)
         side = cuda_sim.ops.new_stream(0)
         with route.scope():
             other = [allocator.allocate(40_000, stream=side) for _ in range(3)]
             grad = _step(allocator)
         outside = allocator.allocate(40_000)
+        arena = _arena(pool)
         assert not any(_inside(b, arena) for b in [*other, outside])
         assert route.last["served_bytes"] == 178_192 and route.last["diverged_at"] == -1
         for block in [*other, outside, grad]:
@@ -185,14 +189,14 @@ class TestKeptBytes:
     def test_an_activation_kept_past_its_step_is_fenced_off_and_never_overwritten(
         self, cuda_sim: Any
     ) -> None:
-        allocator, pool, route, arena = _recorded(cuda_sim)
+        allocator, pool, route = _recorded(cuda_sim)
         with pytest.warns(RuntimeWarning, match="still referenced"), route.scope():
             kept = allocator.allocate(40_000)  # like a hook that stores an activation
             _fill(kept, 7)
             allocator.allocate(100_000).free()
             allocator.allocate(30_000).free()
             grad = allocator.allocate(8192)
-        assert _inside(kept, arena)
+        assert _inside(kept, _arena(pool))
         # Every later step, recorded anew or replayed, leaves the kept bytes alone.
         for _ in range(3):
             with route.scope():
