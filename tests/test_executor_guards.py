@@ -387,6 +387,11 @@ def test_a_train_step_under_no_grad_raises_as_eager_does(mode: Callable[[], obje
 
 _INTERRUPTED = """
 import os, signal, sys, threading, time
+# Ctrl-C as a terminal delivers it, whatever the test runner's worker passed down (a worker
+# can hand its children SIGINT ignored or blocked; then the interrupt never came, and the
+# script slept its 60 s through every delay).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
 import torch, sharedmem as sm
 def call():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
