@@ -226,6 +226,18 @@ def test_a_symbolic_trace_running_other_ops_falls_back() -> None:
     assert pool.stats()["symbolic_fallbacks"] == 1
 
 
+def _with_a_held_loss(rec: Recording) -> tuple[Recording, list[int]]:
+    """``rec`` with a 4-byte loss that outlives every call (the last allocation), spread as
+    a route plans it (``placeable``), and which of its allocations outlive the call."""
+    rec = Recording([*rec.sizes, 4], [*rec.alloc_at, 0], [*rec.free_at, -1])
+    outliving = [i for i, f in enumerate(rec.free_at) if f < 0 and rec.sizes[i] > 0]
+    return placeable(rec, outliving), outliving
+
+
+def _make_in_1_mib(sequence: Recording, fences: Fences = ()) -> RoutePlan:
+    return choose_plan(sequence, capacity=1 << 20, granularity=4096, fences=fences)
+
+
 def _disjoint(rec: Recording, plan: RoutePlan, fences: list[tuple[int, int]]) -> None:
     """No two allocations of ``rec`` live at one tick share a byte of ``plan`` (every placed
     one on the 64-byte grid, within ``plan.need``), nor any byte of ``fences``."""
@@ -250,31 +262,31 @@ def test_the_loss_held_from_the_last_call_takes_the_other_bank_not_another_plan(
     # previous loss (a fence) while the next runs. Every size the envelope covers is served
     # by the envelope's one plan, the loss alternating between the two banks, and no
     # allocation touches the held loss.
-    rec = Recording([*rec.sizes, 4], [*rec.alloc_at, 0], [*rec.free_at, -1])
-    outliving = [i for i, f in enumerate(rec.free_at) if f < 0 and rec.sizes[i] > 0]
-    spread = placeable(rec, outliving)
+    spread, outliving = _with_a_held_loss(rec)
     family = SharedPlans()
-
-    def make(sequence: Recording, fences: Fences = ()) -> RoutePlan:
-        return choose_plan(sequence, capacity=1 << 20, granularity=4096, fences=fences)
 
     held: list[tuple[int, int]] = []
     loss_at = []
     for k, scale in enumerate([1.0, *scales]):
         sizes = [
-            n if k == 0 or i == len(rec.sizes) - 1 else int(n * scale)
+            n if k == 0 or i == len(spread.sizes) - 1 else int(n * scale)
             for i, n in enumerate(spread.sizes)
         ]
         sized = Recording(sizes, spread.alloc_at, spread.free_at)
         got = family.plan(
-            sized, capacity=1 << 20, fences=held, grow=not held, make=make, outliving=outliving
+            sized,
+            capacity=1 << 20,
+            fences=held,
+            grow=not held,
+            make=_make_in_1_mib,
+            outliving=outliving,
         )
         _disjoint(sized, got.plan, held)
         loss = got.plan.offsets[-1]
         loss_at.append(loss)
         held = [(loss, loss + 4)]
     kept, bank = banks(np.asarray(spread.sizes), outliving, 1 << 20)
-    assert bank > 0 and len(rec.sizes) - 1 in kept
+    assert bank > 0 and len(spread.sizes) - 1 in kept
     # one plan, made at the first call: the later ones (each around the last one's loss)
     # reuse it, the loss in the first bank, then the second, then the first ...
     assert family.made == 1
@@ -297,13 +309,8 @@ def test_a_widened_envelope_keeps_its_plan_in_order_or_plans_anew(
     # the envelope. Its plan is the last one's, each allocation stacked where it sat, or (too
     # far above max-live) planned anew; either way no two live allocations share a byte,
     # nor any byte of the held loss, and a kept plan is within SCALE_SLACK of max-live.
-    rec = Recording([*rec.sizes, 4], [*rec.alloc_at, 0], [*rec.free_at, -1])
-    outliving = [i for i, f in enumerate(rec.free_at) if f < 0 and rec.sizes[i] > 0]
-    spread = placeable(rec, outliving)
+    spread, outliving = _with_a_held_loss(rec)
     family = SharedPlans()
-
-    def make(sequence: Recording, fences: Fences = ()) -> RoutePlan:
-        return choose_plan(sequence, capacity=1 << 20, granularity=4096, fences=fences)
 
     held: list[tuple[int, int]] = []
     scale = 1.0
@@ -312,13 +319,18 @@ def test_a_widened_envelope_keeps_its_plan_in_order_or_plans_anew(
         scale *= grow
         uneven = unevenness[k % len(unevenness)]
         sizes = [  # each allocation grown by the scale, some by up to its square
-            n if i == len(rec.sizes) - 1 else int(n * scale ** (1 + uneven * (i % 2)))
+            n if i == len(spread.sizes) - 1 else int(n * scale ** (1 + uneven * (i % 2)))
             for i, n in enumerate(spread.sizes)
         ]
         sized = Recording(sizes, spread.alloc_at, spread.free_at)
         before = family.scaled
         got = family.plan(
-            sized, capacity=1 << 20, fences=held, grow=not held, make=make, outliving=outliving
+            sized,
+            capacity=1 << 20,
+            fences=held,
+            grow=not held,
+            make=_make_in_1_mib,
+            outliving=outliving,
         )
         _disjoint(sized, got.plan, held)
         assert got.plan.need <= got.need
