@@ -29,6 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.utils._pytree import tree_map
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
@@ -44,17 +47,12 @@ DEFAULT_MODELS = (
 
 
 def _to(value: Any, device: str) -> Any:
-    if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value.to(device) if hasattr(value, "to") else value
+    """``value``'s tensors (any pytree of them) on ``device``."""
+    return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
 
 
 def _child(name: str, mode: str, steps: int) -> dict[str, Any]:
     """One model in this process: ``mode`` is "eager" or "routed"."""
-    import torch
-
     import sharedmem as sm
 
     if mode == "routed" and not sm.install_cuda_router():
@@ -178,8 +176,6 @@ def main(args: list[str]) -> int:
             traceback.print_exc()
             print(json.dumps({"model": args[0], "error": repr(error)[:400]}), flush=True)
         return 0
-    import torch
-
     if not torch.cuda.is_available():
         print("bench_cuda_router: needs a CUDA GPU (torch.cuda.is_available() is False)")
         return 2

@@ -63,12 +63,13 @@ def _define_torchvision_ops() -> None:
     """
     spec = importlib.util.find_spec("torchvision")
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    for library in (lib for folder in folders for lib in Path(folder).glob("_C*.so")):
+    library = next((lib for folder in folders for lib in Path(folder).glob("_C*.so")), None)
+    if library is not None:
         try:
             torch.ops.load_library(str(library))  # what torchvision's import does first
             return
         except (OSError, RuntimeError):  # built for another torch: declare the schemas
-            break
+            pass
     for name in ("nms", "qnms"):
         # Already defined (by torchvision's own C++ or an earlier call): nothing to do.
         with contextlib.suppress(RuntimeError):
