@@ -8,7 +8,7 @@ each result is written: on a moving backend a view taken before a growth goes st
 
 A line of generated code looks like::
 
-    v17 = o17(v9, v11, [2, 2], out=_t('act.3', (64, 8, 16, 16), d0), indices=_t(...))
+    v17 = op17(v9, v11, [2, 2], out=_t('act.3', (64, 8, 16, 16), d0), indices=_t(...))
 
 An input may itself be a view into one of the slots the call writes (an earlier call's
 ``outputs_in_pool=True`` output, fed back in): it would be overwritten while still needed.
@@ -45,6 +45,7 @@ class _Emitter:
         self.globals: dict[str, Any] = {"torch": torch}
         self.names: dict[Node, str] = {}
         self._consts: dict[int, str] = {}
+        self._ops: dict[OpOverload, str] = {}  # op overloads called, by their entries
         self.slot_bytes = slot_bytes
         self.header: list[str] = []  # fetches of pool views, first thing in every call
         self._typed: dict[tuple[str, torch.dtype], str] = {}
@@ -63,6 +64,17 @@ class _Emitter:
             self._consts[key] = name
             self.globals[name] = value
         return self._consts[key]
+
+    def op(self, target: object) -> str:
+        # An op overload is called through its dispatcher entry (``OpOverload.__call__``
+        # only forwards to it): one Python frame less for every op of every call.
+        if not isinstance(target, OpOverload):
+            return self.const(target, "o")
+        name = self._ops.get(target)
+        if name is None:
+            name = self._ops[target] = f"op{len(self._ops)}"
+            self.globals[name] = target._op
+        return name
 
     def arg(self, value: object) -> str:
         if isinstance(value, Node):
@@ -227,7 +239,7 @@ def _expression(
         return em.arg(args[0])
     lives = [life for life in step.lifetimes if life >= 0]
     if lives and all(life in eager and life not in over for life in lives):
-        return em.call(em.const(node.target, "o"), args, kwargs, "")  # as eager: it allocates
+        return em.call(em.op(node.target), args, kwargs, "")  # as eager: it allocates
     views = [
         _zero_size(em, node, k, device)
         if b is None
@@ -238,14 +250,14 @@ def _expression(
     ]
     match rule.kind:
         case Kind.ALIAS | Kind.PLAIN:
-            return em.call(em.const(node.target, "o"), args, kwargs, "")
+            return em.call(em.op(node.target), args, kwargs, "")
         case Kind.OUT:
             if rule.adapt is not None:
                 adapted = rule.adapt(args, kwargs)
                 assert adapted is not None, "analyse() keeps only rewrites that fit"
                 args, kwargs = adapted
             outs = ", ".join(f"{k}={v}" for k, v in zip(rule.out_names, views, strict=True))
-            return em.call(em.const(rule.out_op, "o"), args, kwargs, outs)
+            return em.call(em.op(rule.out_op), args, kwargs, outs)
         case Kind.EMPTY:
             return views[0]
         case Kind.FILL:

@@ -803,6 +803,8 @@ class SizeRule(NamedTuple):
     fixed: tuple[int, ...]  # per allocation, its size where no candidate matched (else -1)
     alloc_at: Sequence[int]
     free_at: Sequence[int]
+    # the distinct candidate groups of more than one (each must agree at a new size)
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 def size_rule(recorded: list[tuple[list[int], Recording]]) -> SizeRule | None:
@@ -835,7 +837,8 @@ def size_rule(recorded: list[tuple[list[int], Recording]]) -> SizeRule | None:
             return None
         matched.append(())
         fixed.append(first.sizes[i])
-    return SizeRule(tuple(matched), tuple(fixed), first.alloc_at, first.free_at)
+    groups = tuple(dict.fromkeys(m for m in matched if len(m) > 1))
+    return SizeRule(tuple(matched), tuple(fixed), first.alloc_at, first.free_at, groups)
 
 
 def derive(sizes: list[int], rule: SizeRule | None) -> Recording | None:
@@ -856,13 +859,15 @@ def derive(sizes: list[int], rule: SizeRule | None) -> Recording | None:
     """
     if rule is None:
         return None
-    out: list[int] = []
-    for matched, size in zip(rule.matched, rule.fixed, strict=True):
-        if matched:
-            size = sizes[matched[0]]
-            if any(sizes[c] != size for c in matched[1:]) or size < 0:
-                return None
-        out.append(size)
+    # Every new size of a family derives its sequence: one pass, no per-allocation loop
+    # in Python beyond the list itself (fixed sizes are recorded ones, never negative).
+    for group in rule.groups:
+        size = sizes[group[0]]
+        if any(sizes[c] != size for c in group[1:]):
+            return None
+    out = [sizes[m[0]] if m else size for m, size in zip(rule.matched, rule.fixed, strict=True)]
+    if out and min(out) < 0:
+        return None
     return Recording(out, rule.alloc_at, rule.free_at)
 
 

@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import (
+    SYMPY_INTERP,
     DimDynamic,
     GuardOnDataDependentSymNode,
     ShapeEnv,
@@ -298,9 +299,14 @@ def _symbolic(
     shape_env = mode.shape_env
     assert shape_env is not None
     code = shape_env.produce_guards_expression(data)
+    # Compiled once (``ShapeEnv.evaluate_guards_expression`` compiles the text at every
+    # call): every new size of the family evaluates it.
+    guards = None if code is None else compile(code, "<sharedmem shape guards>", "eval")
 
     def serves(tensors: Sequence[torch.Tensor]) -> bool:
-        return code is None or bool(shape_env.evaluate_guards_expression(code, tensors))
+        if guards is None:
+            return True
+        return bool(eval(guards, SYMPY_INTERP, {"L": {f"t{k}": t for k, t in enumerate(tensors)}}))
 
     exprs = list(dict.fromkeys(_byte_sizes(gm)))
     # Every new size of the family evaluates these: as one compiled Python function (a

@@ -36,6 +36,7 @@ with the rest.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
@@ -57,6 +58,8 @@ BANK_ITEM = 4096
 BANK_BYTES = 1 << 20
 
 _Ticks = tuple[tuple[int, ...], tuple[int, ...]]  # alloc_at, free_at of a sequence
+# a sequence's ticks as arrays (``_ticks``): alloc_at, free_at, which are freed, tick count
+_Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, int]
 
 
 class _Envelope(NamedTuple):
@@ -122,6 +125,7 @@ class SharedPlans:
         of the previous call) then picks the other bank, not another plan."""
         ticks = (tuple(recording.alloc_at), tuple(recording.free_at))
         sizes = np.asarray(recording.sizes, dtype=np.int64)
+        arrays = _ticks(ticks)
         with self._lock:
             envelope = self._envelopes.get(ticks)
             widest = sizes if envelope is None else np.maximum(envelope, sizes)
@@ -138,7 +142,7 @@ class SharedPlans:
             ):
                 self._plans.move_to_end(key)
                 chosen = found.plans[max(which, 0)]
-                return FamilyPlan(reused(recording, chosen), found.need, True)
+                return FamilyPlan(_reused(sizes, arrays, chosen), found.need, True)
             self._envelopes[ticks] = widest
         whole = Recording(widest.tolist(), recording.alloc_at, recording.free_at)
         scaled = None
@@ -172,7 +176,7 @@ class SharedPlans:
             self._plans.move_to_end(key)
             while len(self._plans) > PLANS_PER_FAMILY:
                 self._plans.popitem(last=False)
-        return FamilyPlan(reused(recording, plans[max(which, 0)]), need, False)
+        return FamilyPlan(_reused(sizes, arrays, plans[max(which, 0)]), need, False)
 
     def banked(self, fences: Fences) -> bool:
         """Whether every range of ``fences`` lies in the banks of the latest plan: what the
@@ -205,13 +209,12 @@ def banks(sizes: np.ndarray, outliving: Collection[int], capacity: int) -> tuple
     """
     if not outliving:
         return [], 0
-    at = np.sort(np.fromiter(outliving, dtype=np.int64))
-    small = sizes[at]
-    at = at[(small > 0) & (small <= BANK_ITEM)]
-    total = int(_aligned(sizes[at]).sum())
+    # A few dozen indices: plain Python, not numpy's per-call cost (each call of a family).
+    at = sorted(i for i in outliving if 0 < int(sizes[i]) <= BANK_ITEM)
+    total = sum(-(-int(sizes[i]) // ALIGN) * ALIGN for i in at)
     if not total or total > BANK_BYTES or 2 * total > capacity:
         return [], 0
-    return at.tolist(), total
+    return at, total
 
 
 def _bank(fences: Fences, bank: int) -> tuple[int, list[tuple[int, int]]]:
@@ -312,30 +315,43 @@ def reused(recording: Recording, plan: RoutePlan) -> RoutePlan:
         >>> small.offsets, small.need
         ((0, 0, 128), 192)
     """
-    assert len(plan.offsets) == len(recording.sizes), "a plan of another sequence"
     sizes = np.asarray(recording.sizes, dtype=np.int64)
-    starts = np.asarray(recording.alloc_at, dtype=np.int64)
-    ends = np.asarray(recording.free_at, dtype=np.int64)
+    return _reused(sizes, _ticks((tuple(recording.alloc_at), tuple(recording.free_at))), plan)
+
+
+def _reused(sizes: np.ndarray, arrays: _Arrays, plan: RoutePlan) -> RoutePlan:
+    # ``reused`` of the sequence of ``sizes`` at the ticks of ``arrays`` (``_ticks``).
+    assert len(plan.offsets) == len(sizes), "a plan of another sequence"
+    starts, ends, freed, ticks = arrays
     at = np.asarray(plan.offsets, dtype=np.int64)
     routed = at >= 0
-    beside = ~routed
+    # The most bytes live at one tick, of the routed allocations (row 0) and of those beside
+    # the arena (row 1), from one pair of counts per tick (exact: sums of byte sizes are far
+    # below 2**53).
+    row = np.where(routed, 0, ticks)
+    weights = sizes.astype(np.float64)
+    delta = np.bincount(starts + row, weights, minlength=2 * ticks)
+    delta -= np.bincount((ends + row)[freed], weights[freed], minlength=2 * ticks)
+    most = np.cumsum(delta.reshape(2, ticks), axis=1).max(axis=1)
     return RoutePlan(
         offsets=tuple(plan.offsets),
         need=int((at[routed] + _aligned(sizes[routed])).max()) if routed.any() else 0,
-        lower_bound=_most_live(sizes, starts, ends, routed),
+        lower_bound=int(most[0]),
         routed_bytes=int(sizes[routed].sum()),
-        beside_bytes=int(sizes[beside & (ends >= 0)].sum()),
-        beside_peak=_most_live(sizes, starts, ends, beside),
+        beside_bytes=int(sizes[~routed & freed].sum()),
+        beside_peak=int(most[1]),
     )
 
 
-def _most_live(sizes: np.ndarray, starts: np.ndarray, ends: np.ndarray, chosen: np.ndarray) -> int:
-    # The most bytes of the ``chosen`` allocations live after any tick (0: none chosen).
-    if not chosen.any():
-        return 0
-    size, start, end = sizes[chosen], starts[chosen], ends[chosen]
-    delta = np.zeros(max(int(start.max()), int(end.max())) + 2, dtype=np.int64)
-    np.add.at(delta, start, size)
-    freed = end >= 0
-    np.subtract.at(delta, end[freed], size[freed])
-    return int(np.cumsum(delta).max())
+@functools.lru_cache(maxsize=64)
+def _ticks(ticks: _Ticks) -> _Arrays:
+    # A sequence's ticks as arrays (every size of a family shares them): the allocation
+    # and free ticks, which allocations are freed, and the ticks' count with one to spare.
+    starts = np.asarray(ticks[0], dtype=np.int64)
+    ends = np.asarray(ticks[1], dtype=np.int64)
+    count = int(max(starts.max(), ends.max())) + 2 if len(starts) else 2
+    for a in (starts, ends):
+        a.flags.writeable = False
+    freed = ends >= 0
+    freed.flags.writeable = False
+    return starts, ends, freed, count
