@@ -429,7 +429,7 @@ class Route:
         # when the next call begins (``_place``). The caller holds the lock.
         host = self._host
         before = self._capacity()
-        ceiling = self._ceiling() if grow else before
+        ceiling = self._ceiling() if grow else self._passing_ceiling(before, recording, fences)
         outliving = [
             i
             for i, free in enumerate(recording.free_at)
@@ -503,6 +503,26 @@ class Route:
         if capacity and not host.stable_address and arena_live_bytes(host, self._arena):
             return capacity  # escaped tensors live in it: a moving growth would strand them
         return room
+
+    def _passing_ceiling(self, capacity: int, recording: Recording, fences: Fences) -> int:
+        """The most bytes a plan of an evaluation in a passing state (tensors held in the
+        arena: the gradients of a step not yet zeroed) may grow the arena to: the peak eager
+        holds in that state (the held bytes and the call's own peak), where the growth lowers
+        this call's peak (``choose_plan`` grows only then). An evaluation at twice the batch
+        whose largest temporary (a 9 MB weight reorder on ResNet-18) misses the room above
+        the gradients by a few hundred KB would otherwise serve it beside the arena, at
+        nearly twice eager's peak. A training step's passing state (accumulation) never
+        grows it: eager's peak there holds the gradients twice over, and an arena grown to
+        it would stay above the default loop's steady step."""
+        host = self._host
+        if self.training or not fences:
+            return capacity
+        if not host.stable_address and arena_live_bytes(host, self._arena):
+            return capacity  # growing would move the held tensors
+        limit = sum(high - low for low, high in fences) + recording.live_peak()
+        room = host.growth_room(self._arena)
+        limit = limit if room is None else min(limit, room)
+        return max(capacity, limit // host.granularity * host.granularity)
 
     def _account(self, counts: dict[str, int], plan: RoutePlan) -> None:
         """A replay of ``plan`` ended with the router's ``counts`` (the caller holds the
