@@ -31,8 +31,10 @@ An optimizer's state is neither: the step that makes it runs with the scope set 
 (``optimizer``), and the call after it records the steady sequence.
 
 Plans are kept per set of fences (a few): a loop whose evaluation runs while the gradients
-of its training step are held plans the evaluation once around them, and one that evaluates
-after ``zero_grad()`` plans it once over the whole arena. When another route grows the arena
+of its training step are held plans the evaluation once around them (growing the arena, where
+that lowers the evaluation's peak, up to the held bytes and its own peak: eager's in that
+state), and one that evaluates after ``zero_grad()`` plans it once over the whole arena. A
+training step's passing state (accumulation) never grows it. When another route grows the arena
 a plan is made again for the arena as it is, without growing it; the recording is never
 redone for that.
 
