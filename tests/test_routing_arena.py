@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import sharedmem as sm
+from sharedmem._backends import round_up
 from sharedmem._routing import Recording, choose_plan, native, plan_offsets
 from sharedmem._routing.plan import placeable
 from sharedmem.testing import allocator_peak
@@ -277,6 +278,13 @@ def test_an_evaluation_while_gradients_are_held_grows_the_arena_to_stay_at_eager
     # (the temporary) within a page
     assert after["reserved_bytes"] - held + beside <= temp_n + page, (after, held, beside)
     assert beside == 0
+    # the next training step (gradients freed) gives the growth back: its own arena again
+    steady = after["reserved_bytes"]
+    del grad
+    grad = train()
+    assert pool.stats()["reserved_bytes"] < steady
+    assert pool.stats()["reserved_bytes"] <= round_up(grad_n + act_n, page)
+    assert torch.equal(grad, torch.full((grad_n,), 2, dtype=torch.uint8))
 
 
 def test_gradients_in_the_arena_outlive_the_pool_and_free_its_memory_when_they_go() -> None:

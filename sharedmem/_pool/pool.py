@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .._backends import Backend, Placement, resolve
+from .._backends import Backend, Placement, resolve, round_up
 from .._blob import Blob
 from .._devices import DeviceLike
 from .._errors import SharedMemError
@@ -519,6 +519,23 @@ class BufferPool:
                 if have and not side.stable_address:
                     held = max(held, have)
         return self._ledger.device_reserved + added + held
+
+    def give_back_above(self, name: str, nbytes: int) -> int:
+        """Give back the device bytes of the buffer ``name`` above ``nbytes`` (rounded up to
+        whole granules), where its bytes below stay where they are (a stable-address pool;
+        elsewhere nothing is given back); returns the bytes given back. What lives below
+        ``nbytes`` is untouched: a routed arena gives back what a passing state grew it by
+        while the tensors it holds (gradients) stay."""
+        blob = self._blobs.get(name)
+        if blob is None or not self.stable_address:
+            return 0
+        keep = round_up(nbytes, self.granularity)
+        memory = blob.data_memory
+        if memory.device_capacity <= keep:
+            return 0
+        self._forget_views()
+        blob.retype((keep,), torch.uint8)
+        return memory.shrink_to_fit()
 
     def trim(self) -> int:
         """Shrink every buffer to its current size; returns the bytes given back.

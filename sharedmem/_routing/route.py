@@ -92,6 +92,9 @@ class _Planned(NamedTuple):
     plan: RoutePlan
     native: Any
     capacity: int  # the arena's capacity it was made for
+    # a plan of a passing state that grows the arena: the arena's bytes before (what it
+    # gives back to when a call of another route begins); else None
+    passing_from: int | None = None
 
 
 class CallPeak(NamedTuple):
@@ -182,6 +185,8 @@ class Route:
         arenas = self._host.arenas
         lane = arenas.lease(self._arena)
         try:
+            if lane == self._arena:
+                self._give_back_passing(router)
             fences = self._fences(router, lane)
             with self._lock:
                 planned = self._planned(lane, fences)
@@ -223,6 +228,8 @@ class Route:
                 peak = max(before + others.live_peak(), after + others.outliving_bytes)
                 self.last_peak = CallPeak(after, peak - after, True, True)
                 return
+            if planned.passing_from is not None and lane == self._arena:
+                arenas.mark_passing(self._arena, id(self), planned.passing_from)
             router.begin_replay(planned.native, *place)
             frame = optimizer.enter(router)
             try:
@@ -241,6 +248,21 @@ class Route:
                         self._redo = True
         finally:
             arenas.give_back(lane)
+
+    def _give_back_passing(self, router: Any) -> None:
+        """A call of this route begins on the arena: where another route's plan of a passing
+        state (an evaluation while gradients are held) grew the arena, the bytes it grew by
+        are given back, down to what tensors hold (the arena as the other states planned it:
+        their calls stay at their own peaks; the evaluation grows it again when it next
+        runs, from fresh pages)."""
+        arenas = self._host.arenas
+        before = arenas.take_passing(self._arena, id(self))
+        if before is None:
+            return
+        base = arenas.base(self._arena)
+        spans = [] if base is None else router.live_ranges(base)
+        held = max((int(high) for _, high in spans), default=0)
+        self._host.give_back_above(self._arena, max(before, held))
 
     def _fences(self, router: Any, lane: str) -> Fences:
         """The ranges of ``lane`` that tensors hold now (sorted ``(low, high)`` offsets)."""
@@ -484,7 +506,10 @@ class Route:
         outlives = [1 if f < 0 else 0 for f in recording.free_at]
         module = _module(host)
         assert module is not None, "a route is planned only where a router runs"
-        planned = _Planned(plan, module.Plan(list(recording.sizes), offsets, outlives), covers)
+        passing_from = before if not grow and need > before else None
+        planned = _Planned(
+            plan, module.Plan(list(recording.sizes), offsets, outlives), covers, passing_from
+        )
         self._plans[fences] = planned
         while len(self._plans) > PLANS_PER_ROUTE:
             self._plans.popitem(last=False)
