@@ -15,7 +15,8 @@ Per call:
   allocator served is the sum of its allocation events).
 
 The sequence (``state`` column): ``none`` x4, ``present`` x2 (accumulation), ``none`` x2,
-then ``none``/``present`` alternating, then ``eval`` (batch 2B, no grad) between steps.
+then ``none``/``present`` alternating, then ``eval`` (batch 2B, no grad) between steps, then
+one more ``none`` (the training step after an evaluation).
 
     python benchmarks/bench_default_loop.py               # ResNet-18 (b8, 64px), hf_gpt2
     python benchmarks/bench_default_loop.py tv_resnet18   # only these
@@ -46,7 +47,14 @@ from bench_routing import _call, _loss
 
 import sharedmem as sm
 
-SEQUENCE = ["none"] * 4 + ["present"] * 2 + ["none"] * 2 + ["none", "present"] * 3 + ["eval"] * 2
+SEQUENCE = (
+    ["none"] * 4
+    + ["present"] * 2
+    + ["none"] * 2
+    + ["none", "present"] * 3
+    + ["eval"] * 2
+    + ["none"]
+)
 
 
 def allocator_events(step: Callable[[], object]) -> tuple[int, int]:

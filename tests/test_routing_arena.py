@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import sharedmem as sm
+from sharedmem._backends import round_up
 from sharedmem._routing import Recording, choose_plan, native, plan_offsets
 from sharedmem._routing.plan import placeable
 from sharedmem.testing import allocator_peak
@@ -150,8 +151,9 @@ def test_a_pool_limit_holds_on_the_first_call_and_results_stay_exact() -> None:
 
 def test_a_loop_of_batch_sizes_states_and_evaluation_plans_each_once_in_one_arena() -> None:
     # Train at B with accumulation (gradients none, then present), a short last batch,
-    # evaluation at 2B; the loop twice. The second time round nothing is recorded and the
-    # arena does not grow.
+    # evaluation at 2B; the loop three times. The second time round nothing is recorded; the
+    # third, the arena does not grow either (a plan made from a recording grows it when the
+    # next call begins: the evaluation's, planned around the held gradients, in the second).
     model, plain = _mlp(), _mlp()
     pool = sm.BufferPool("cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -186,10 +188,11 @@ def test_a_loop_of_batch_sizes_states_and_evaluation_plans_each_once_in_one_aren
     epoch()
     first = pool.stats()
     epoch()
+    second = pool.stats()
     epoch()
     last = pool.stats()
     assert last["recorded_calls"] == first["recorded_calls"]
-    assert last["reserved_bytes"] == first["reserved_bytes"]
+    assert last["reserved_bytes"] == second["reserved_bytes"]
     assert last.get("diverged_calls", 0) == first.get("diverged_calls", 0)
     assert torch.equal(outs[-1], outs[-2])
     for a, b in zip(plain.parameters(), model.parameters(), strict=True):
@@ -234,6 +237,54 @@ def test_the_default_loops_gradients_live_in_the_arena_until_zero_grad_frees_the
             o.step()
         for a, b in zip(plain.parameters(), model.parameters(), strict=True):
             assert torch.equal(a, b), f"call {call}"
+
+
+def test_an_evaluation_while_gradients_are_held_grows_the_arena_to_stay_at_eagers_peak() -> None:
+    # A training block leaves 1 MiB of "gradients" in the arena (the user frees them before
+    # the next step: the default loop), beside 256 KiB of activations. An evaluation while
+    # they are held needs a 512 KiB temporary: the room above them (256 KiB) misses it. Its
+    # plan grows the arena to hold it (the held bytes and its own peak: eager's in that
+    # state) instead of serving it beside the arena at 1.5x eager's peak.
+    pool = sm.BufferPool("cpu")
+    page = pool.granularity
+    grad_n, act_n, temp_n = 1 << 20, 1 << 18, 1 << 19
+
+    def train() -> torch.Tensor:
+        with pool.step("train", torch.zeros(1)):
+            grad = torch.ones(grad_n, dtype=torch.uint8)  # outlives the block
+            act = torch.ones(act_n, dtype=torch.uint8)
+            grad += act[:1]
+            del act
+        return grad
+
+    for _ in range(4):  # steady: the user frees the "gradients" before the next step
+        grad = train()
+        del grad
+    grad = train()
+    span = _arena(pool)
+    assert _in(span, grad), "the steady plan keeps the gradient in the arena"
+    held = grad.untyped_storage().nbytes()
+    for call in range(3):  # recorded, then planned (the arena grown), then replayed
+        before = pool.stats()
+        with torch.no_grad(), pool.step("eval", torch.zeros(2)):
+            temp = torch.full((temp_n,), call, dtype=torch.uint8)
+            last = int(temp[-1])
+            del temp
+        after = pool.stats()
+        assert last == call
+        assert torch.equal(grad, torch.full((grad_n,), 2, dtype=torch.uint8))
+    beside = after["arena_fallback_bytes"] - before["arena_fallback_bytes"]
+    # the call's peak by DESIGN §8, less the held bytes eager holds too: at eager's own
+    # (the temporary) within a page
+    assert after["reserved_bytes"] - held + beside <= temp_n + page, (after, held, beside)
+    assert beside == 0
+    # the next training step (gradients freed) gives the growth back: its own arena again
+    steady = after["reserved_bytes"]
+    del grad
+    grad = train()
+    assert pool.stats()["reserved_bytes"] < steady
+    assert pool.stats()["reserved_bytes"] <= round_up(grad_n + act_n, page)
+    assert torch.equal(grad, torch.full((grad_n,), 2, dtype=torch.uint8))
 
 
 def test_gradients_in_the_arena_outlive_the_pool_and_free_its_memory_when_they_go() -> None:

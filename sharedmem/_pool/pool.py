@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .._backends import Backend, Placement, resolve
+from .._backends import Backend, Placement, resolve, round_up
 from .._blob import Blob
 from .._devices import DeviceLike
 from .._errors import SharedMemError
@@ -396,28 +396,28 @@ class BufferPool:
         """Serve every allocation of the block from one arena of this pool (no tracing).
 
         The first run of a signature (``name``, the shapes, dtypes and devices of ``inputs``,
-        whether autograd is on, and which of ``params`` have a gradient) runs inside the
-        arena buffer ``arena`` as it is, each allocation at the first free range that holds
-        it (PyTorch's allocator serves only what does not fit), while its allocation sequence
-        is recorded; the sequence is then planned at offsets of the arena (a named buffer like
-        any other, shared with pooled steps of the same name: train and eval blocks, every
-        batch size and gradient state share its bytes, each planned into the arena as the
-        others left it), and later runs get those addresses. The arena grows only where a
-        plan lowers the step's peak by growing. Allocations that outlive the block (new
-        gradients, the loss) are planned into the arena too, in the room the activations
-        leave during backward: their bytes stay fenced while the user holds them, and are
-        free again once ``optimizer.zero_grad()`` frees them. One the user still holds when
-        the same block runs next (a gradient kept by ``zero_grad(set_to_none=False)``, a loss
-        kept in a list) is left to PyTorch's allocator from then on; a block that runs while
-        such tensors are held (an evaluation before ``zero_grad()``) is planned around them,
-        once. An ``optimizer.step()`` in the block that makes the optimizer's state (its
-        first step, or a parameter's first gradient) runs as without the pool, so that the
-        state, which lives across steps, is never in the arena; the temporaries of its later
+        whether autograd is on, and which of ``params`` have a gradient) runs inside the arena
+        buffer ``arena`` as it is, each allocation at the first free range that holds it (PyTorch's
+        allocator serves only what does not fit), while its allocation sequence is recorded; the
+        sequence is then planned at offsets of the arena (a named buffer like any other, shared with
+        pooled steps of the same name: train and eval blocks, every batch size and gradient state
+        share its bytes, each planned into the arena as the others left it), and later runs get
+        those addresses. The arena grows only where a plan lowers the step's peak by growing.
+        Allocations that outlive the block (new gradients, the loss) are planned into the arena too,
+        in the room the activations leave during backward: their bytes stay fenced while the user
+        holds them, and are free again once ``optimizer.zero_grad()`` frees them. One the user still
+        holds when the same block runs next (a gradient kept by ``zero_grad(set_to_none=False)``, a
+        loss kept in a list) is left to PyTorch's allocator from then on; a block that runs while
+        such tensors are held (an evaluation before ``zero_grad()``) is planned around them, once,
+        and may grow the arena up to the peak eager holds in that state (the held bytes and its own)
+        where that lowers its peak. An ``optimizer.step()`` in the block that makes the optimizer's
+        state (its first step, or a parameter's first gradient) runs as without the pool, so that
+        the state, which lives across steps, is never in the arena; the temporaries of its later
         steps are served, and around gradients held in the arena its plan may grow the arena
         (docs/step.md). Any allocation of another thread is PyTorch's as usual. A run that does
-        something else (another sequence) is served by PyTorch from there on and recorded
-        anew: results are always those of the same code without the block. On ``cuda``
-        pools, and where the router cannot be built, the block runs as it is.
+        something else (another sequence) is served by PyTorch from there on and recorded anew:
+        results are always those of the same code without the block. On ``cuda`` pools, and where
+        the router cannot be built, the block runs as it is.
 
         The plans and recordings of the 64 signatures used most recently are kept (least
         recently used dropped; ``stats()``'s ``cached_plans`` and ``evicted_plans`` count
@@ -519,6 +519,23 @@ class BufferPool:
                 if have and not side.stable_address:
                     held = max(held, have)
         return self._ledger.device_reserved + added + held
+
+    def give_back_above(self, name: str, nbytes: int) -> int:
+        """Give back the device bytes of the buffer ``name`` above ``nbytes`` (rounded up to
+        whole granules), where its bytes below stay where they are (a stable-address pool;
+        elsewhere nothing is given back); returns the bytes given back. What lives below
+        ``nbytes`` is untouched: a routed arena gives back what a passing state grew it by
+        while the tensors it holds (gradients) stay."""
+        blob = self._blobs.get(name)
+        if blob is None or not self.stable_address:
+            return 0
+        keep = round_up(nbytes, self.granularity)
+        memory = blob.data_memory
+        if memory.device_capacity <= keep:
+            return 0
+        self._forget_views()
+        blob.retype((keep,), torch.uint8)
+        return memory.shrink_to_fit()
 
     def trim(self) -> int:
         """Shrink every buffer to its current size; returns the bytes given back.

@@ -31,6 +31,9 @@ class Arenas:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.trained: set[str] = set()  # arenas a training route was planned on
+        # arena -> (the route whose plan of a passing state grew it, its bytes before): given
+        # back when a call of another route begins
+        self.passing: dict[str, tuple[int, int]] = {}
         self.planned: set[str] = set()  # arena prefixes a traced graph was planned for
         self._bases: dict[str, int] = {}  # arena buffer -> its address when last served
         self._held: set[str] = set()  # arena buffers an open step serves from
@@ -45,6 +48,23 @@ class Arenas:
                 lane = lane_name(arena, k)
             self._held.add(lane)
             return lane
+
+    def mark_passing(self, arena: str, owner: int, before: int) -> None:
+        """The route ``owner`` (its ``id``) grew ``arena`` from ``before`` bytes for a
+        passing state (an evaluation while gradients are held)."""
+        with self._lock:
+            self.passing.setdefault(arena, (owner, before))
+
+    def take_passing(self, arena: str, caller: int) -> int | None:
+        """For a call of the route ``caller`` beginning on ``arena``: the bytes ``arena`` had
+        before another route grew it for a passing state (``None``: none did, or ``caller``
+        did), which the caller gives it back to."""
+        with self._lock:
+            marker = self.passing.get(arena)
+            if marker is None or marker[0] == caller:
+                return None
+            del self.passing[arena]
+            return marker[1]
 
     def give_back(self, lane: str) -> None:
         """The step that leased ``lane`` has ended."""
@@ -115,6 +135,11 @@ class ArenaHost(Protocol):
 
     def growth_room(self, name: str) -> int | None:
         """The most device bytes ``name`` may grow to (``None``: no limit)."""
+        ...
+
+    def give_back_above(self, name: str, nbytes: int) -> int:
+        """Give back the device bytes of the buffer ``name`` above ``nbytes``, those below
+        staying where they are (0 where they cannot: a moving buffer)."""
         ...
 
     def count(self, key: str, nbytes: int) -> None:

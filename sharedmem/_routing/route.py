@@ -31,8 +31,10 @@ An optimizer's state is neither: the step that makes it runs with the scope set 
 (``optimizer``), and the call after it records the steady sequence.
 
 Plans are kept per set of fences (a few): a loop whose evaluation runs while the gradients
-of its training step are held plans the evaluation once around them, and one that evaluates
-after ``zero_grad()`` plans it once over the whole arena. When another route grows the arena
+of its training step are held plans the evaluation once around them (growing the arena, where
+that lowers the evaluation's peak, up to the held bytes and its own peak: eager's in that
+state), and one that evaluates after ``zero_grad()`` plans it once over the whole arena. A
+training step's passing state (accumulation) never grows it. When another route grows the arena
 a plan is made again for the arena as it is, without growing it; the recording is never
 redone for that.
 
@@ -90,6 +92,9 @@ class _Planned(NamedTuple):
     plan: RoutePlan
     native: Any
     capacity: int  # the arena's capacity it was made for
+    # a plan of a passing state that grows the arena: the arena's bytes before (what it
+    # gives back to when a call of another route begins); else None
+    passing_from: int | None = None
 
 
 class CallPeak(NamedTuple):
@@ -180,6 +185,8 @@ class Route:
         arenas = self._host.arenas
         lane = arenas.lease(self._arena)
         try:
+            if lane == self._arena:
+                self._give_back_passing(router)
             fences = self._fences(router, lane)
             with self._lock:
                 planned = self._planned(lane, fences)
@@ -221,6 +228,8 @@ class Route:
                 peak = max(before + others.live_peak(), after + others.outliving_bytes)
                 self.last_peak = CallPeak(after, peak - after, True, True)
                 return
+            if planned.passing_from is not None and lane == self._arena:
+                arenas.mark_passing(self._arena, id(self), planned.passing_from)
             router.begin_replay(planned.native, *place)
             frame = optimizer.enter(router)
             try:
@@ -239,6 +248,21 @@ class Route:
                         self._redo = True
         finally:
             arenas.give_back(lane)
+
+    def _give_back_passing(self, router: Any) -> None:
+        """A call of this route begins on the arena: where another route's plan of a passing
+        state (an evaluation while gradients are held) grew the arena, the bytes it grew by
+        are given back, down to what tensors hold (the arena as the other states planned it:
+        their calls stay at their own peaks; the evaluation grows it again when it next
+        runs, from fresh pages)."""
+        arenas = self._host.arenas
+        before = arenas.take_passing(self._arena, id(self))
+        if before is None:
+            return
+        base = arenas.base(self._arena)
+        spans = [] if base is None else router.live_ranges(base)
+        held = max((int(high) for _, high in spans), default=0)
+        self._host.give_back_above(self._arena, max(before, held))
 
     def _fences(self, router: Any, lane: str) -> Fences:
         """The ranges of ``lane`` that tensors hold now (sorted ``(low, high)`` offsets)."""
@@ -429,7 +453,7 @@ class Route:
         # when the next call begins (``_place``). The caller holds the lock.
         host = self._host
         before = self._capacity()
-        ceiling = self._ceiling() if grow else before
+        ceiling = self._ceiling() if grow else self._passing_ceiling(before, recording, fences)
         outliving = [
             i
             for i, free in enumerate(recording.free_at)
@@ -482,7 +506,10 @@ class Route:
         outlives = [1 if f < 0 else 0 for f in recording.free_at]
         module = _module(host)
         assert module is not None, "a route is planned only where a router runs"
-        planned = _Planned(plan, module.Plan(list(recording.sizes), offsets, outlives), covers)
+        passing_from = before if not grow and need > before else None
+        planned = _Planned(
+            plan, module.Plan(list(recording.sizes), offsets, outlives), covers, passing_from
+        )
         self._plans[fences] = planned
         while len(self._plans) > PLANS_PER_ROUTE:
             self._plans.popitem(last=False)
@@ -503,6 +530,26 @@ class Route:
         if capacity and not host.stable_address and arena_live_bytes(host, self._arena):
             return capacity  # escaped tensors live in it: a moving growth would strand them
         return room
+
+    def _passing_ceiling(self, capacity: int, recording: Recording, fences: Fences) -> int:
+        """The most bytes a plan of an evaluation in a passing state (tensors held in the
+        arena: the gradients of a step not yet zeroed) may grow the arena to: the peak eager
+        holds in that state (the held bytes and the call's own peak), where the growth lowers
+        this call's peak (``choose_plan`` grows only then). An evaluation at twice the batch
+        whose largest temporary (a 9 MB weight reorder on ResNet-18) misses the room above
+        the gradients by a few hundred KB would otherwise serve it beside the arena, at
+        nearly twice eager's peak. A training step's passing state (accumulation) never
+        grows it: eager's peak there holds the gradients twice over, and an arena grown to
+        it would stay above the default loop's steady step."""
+        host = self._host
+        if self.training or not fences:
+            return capacity
+        if not host.stable_address and arena_live_bytes(host, self._arena):
+            return capacity  # growing would move the held tensors
+        limit = sum(high - low for low, high in fences) + recording.live_peak()
+        room = host.growth_room(self._arena)
+        limit = limit if room is None else min(limit, room)
+        return max(capacity, limit // host.granularity * host.granularity)
 
     def _account(self, counts: dict[str, int], plan: RoutePlan) -> None:
         """A replay of ``plan`` ended with the router's ``counts`` (the caller holds the
