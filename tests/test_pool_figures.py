@@ -78,6 +78,24 @@ def test_trim_and_release_give_bytes_back() -> None:
 
 
 @pytest.mark.parametrize("backend", ["reserved", "pageable"])
+def test_give_back_above_keeps_the_bytes_below_and_only_on_a_stable_address(backend: str) -> None:
+    # What a passing state grew a routed arena by is given back; the bytes below (held
+    # gradients) stay where they are, every byte intact. A moving buffer gives nothing back.
+    pool = sm.BufferPool("cpu", backend=backend)
+    pool.tensor("a", (MiB,)).fill_(1.0)
+    given = pool.give_back_above("a", 5000)
+    stable = backend == "reserved"
+    assert given == (4 * MiB - 8192 if stable else 0)
+    assert pool.stats()["device_reserved_bytes"] == (8192 if stable else 4 * MiB)
+    assert bool((pool.tensor("a", (2000,)) == 1.0).all())
+    assert pool.give_back_above("absent", 0) == 0
+    with pytest.raises(ValueError, match="^sharedmem: nbytes must be >= 0"):
+        pool.give_back_above("a", -1)
+    with pytest.raises(TypeError, match="^sharedmem: buffer name must be a str"):
+        pool.give_back_above(3, 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["reserved", "pageable"])
 def test_what_trim_promises_to_views_taken_before_it(backend: str) -> None:
     # The documented promise (BufferPool.trim): on a stable-address backend a view of the bytes
     # below the size still reaches the buffer after trim(); on a moving backend trim() moves

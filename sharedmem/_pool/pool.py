@@ -526,10 +526,11 @@ class BufferPool:
         elsewhere nothing is given back); returns the bytes given back. What lives below
         ``nbytes`` is untouched: a routed arena gives back what a passing state grew it by
         while the tensors it holds (gradients) stay."""
+        check_name(name)
+        keep = round_up(check_nbytes(nbytes), self.granularity)
         blob = self._blobs.get(name)
         if blob is None or not self.stable_address:
             return 0
-        keep = round_up(nbytes, self.granularity)
         memory = blob.data_memory
         if memory.device_capacity <= keep:
             return 0
