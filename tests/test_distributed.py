@@ -1,10 +1,10 @@
 """Pooled steps under torch.distributed: gloo ranks on CPU, spawned here, against eager DDP.
 
-Spawning ranks costs seconds, so each world size is spawned once, for this file and
-tests/test_fsdp.py together (tests/worlds.py), and runs every case; each rank records per case
-``None`` or the traceback, and each test below reads its case's record from every rank. The
-ranks see different data, so a gradient that was not averaged, or averaged in another order,
-differs from eager DDP's.
+Spawning ranks costs seconds, so the ranks are spawned once, for every world size of this
+file and tests/test_fsdp.py together (tests/worlds.py), and run every case; each rank records
+per case ``None`` or the traceback, and each test below reads its case's record from every
+rank. The ranks see different data, so a gradient that was not averaged, or averaged in
+another order, differs from eager DDP's.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from worlds import Ranks
 
 import sharedmem as sm
 
-# The ranks are spawned once per world size (tests/worlds.py): every test of this file and of
-# test_fsdp in one pytest-xdist worker, so that they are not spawned again in the other. The
-# first test of a world waits for all its ranks (test_fsdp's cases too): as test_fsdp's, a
-# timeout past worlds.RANK_SECONDS, after which the ranks are killed and the test fails.
-pytestmark = [pytest.mark.xdist_group("distributed"), pytest.mark.timeout(600)]
+# The ranks are spawned once for every world size (tests/worlds.py): every test of this file
+# and of test_fsdp in one pytest-xdist worker, so that they are not spawned again in the other.
+# The first test waits for every world (test_fsdp's cases too): as test_fsdp's, a timeout past
+# the worlds' (worlds.RANK_SECONDS each), after which the ranks are killed and the test fails.
+pytestmark = [pytest.mark.xdist_group("distributed"), pytest.mark.timeout(worlds.TIMEOUT_S)]
 
 # Every case runs on 2 and 3 ranks, in the worlds test_fsdp's cases share (tests/worlds.py).
 case = worlds.case(2, 3)
@@ -398,7 +398,7 @@ def fsdp2_refusals_name_the_alternative(rank: int, world: int) -> None:
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}-ranks")
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Ranks:
-    return worlds.ranks(request.param, tmp_path_factory)
+    return worlds.ranks(request.param, tmp_path_factory, request.session)
 
 
 _check = worlds.check

@@ -4,12 +4,14 @@ honoured; an interrupted first capture leaves the process able to capture."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -386,36 +388,68 @@ def test_a_train_step_under_no_grad_raises_as_eager_does(mode: Callable[[], obje
 # ---- an interrupted first capture --------------------------------------------------------
 
 _INTERRUPTED = """
-import os, signal, sys, threading, time
+import json, os, signal, sys, threading, time, traceback
 # Ctrl-C as a terminal delivers it, whatever the test runner's worker passed down (a worker
 # can hand its children SIGINT ignored or blocked; then the interrupt never came, and the
 # script slept its 60 s through every delay).
 signal.signal(signal.SIGINT, signal.default_int_handler)
-signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
-import torch, sharedmem as sm
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+import torch, sharedmem as sm  # imported once: each delay runs in a fork of this process
 def call():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     step = sm.pooled_train_step(model, torch.nn.functional.mse_loss, pool=sm.BufferPool("cpu"))
     return step(torch.randn(16, 4), torch.randn(16, 1))
-threading.Timer({delay}, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-try:
-    call()
-    time.sleep(60)
-except KeyboardInterrupt:
-    pass
-print("loss", call().item())
+def interrupted(delay):
+    threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        call()
+        time.sleep(60)
+    except KeyboardInterrupt:
+        pass
+    print("loss", call().item())
+codes = {}
+for delay in json.loads(sys.argv[1]):
+    pid = os.fork()
+    if pid == 0:  # a process that has captured nothing yet, as a fresh one
+        log = os.open(os.path.join(sys.argv[2], str(delay)), os.O_WRONLY | os.O_CREAT)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        signal.alarm(240)  # a capture that never returns ends its fork, not the test run
+        code = 0
+        try:
+            interrupted(delay)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    codes[delay] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(json.dumps(codes))
 """
+# Where the interrupt lands: early in the first capture, in its tracing, planning, or later.
+DELAYS = (0.05, 0.3, 0.5, 1.0, 2.0)
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.3, 0.5, 1.0, 2.0])
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
 def test_an_interrupt_during_the_first_capture_leaves_the_next_able_to_capture(
-    delay: float,
+    tmp_path: Path,
 ) -> None:
+    # One process imports torch and the package, then runs each delay in a fork of itself
+    # (a fresh interpreter per delay spent most of its time importing).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
-    script = textwrap.dedent(_INTERRUPTED.format(delay=delay))
+    script = textwrap.dedent(_INTERRUPTED)
     done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", script, json.dumps(DELAYS), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "loss" in done.stdout
+    codes = json.loads(done.stdout.strip().splitlines()[-1])
+    for delay in DELAYS:
+        out = (tmp_path / str(delay)).read_text()
+        assert codes[str(delay)] == 0, f"interrupted after {delay} s: {out[-2000:]}"
+        assert "loss" in out, f"interrupted after {delay} s: {out[-2000:]}"

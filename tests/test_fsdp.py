@@ -349,7 +349,7 @@ def estimate_refuses_a_sharded_model(rank: int, world: int) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Ranks:
-    return worlds.ranks(request.param, tmp_path_factory)
+    return worlds.ranks(request.param, tmp_path_factory, request.session)
 
 
 _check = worlds.check
@@ -358,37 +358,37 @@ _check = worlds.check
 FOUR = pytest.param(4, marks=pytest.mark.slow, id="4-ranks")
 
 
-@pytest.mark.timeout(600)  # spawning and running 4 ranks on 2 shared cores: minutes
+@pytest.mark.timeout(worlds.TIMEOUT_S)  # the worlds' ranks on 2 shared cores: minutes
 @pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks"), FOUR], indirect=True)
 def test_sharded_estimate_bounds_the_measured_per_rank_peak(ranks: Ranks) -> None:
     _check(ranks, "sharded_estimate_bounds_the_measured_peak")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(worlds.TIMEOUT_S)
 @pytest.mark.parametrize("ranks", [FOUR], indirect=True)
 def test_pooled_fsdp2_step_equals_eager_fsdp2_on_four_ranks(ranks: Ranks) -> None:
     _check(ranks, "pooled_fsdp2_equals_eager_on_four_ranks")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(worlds.TIMEOUT_S)
 @pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks"), FOUR], indirect=True)
 def test_pooled_train_step_on_fsdp2_equals_eager_fsdp2(ranks: Ranks) -> None:
     _check(ranks, "pooled_train_step_on_fsdp2_equals_eager")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(worlds.TIMEOUT_S)
 @pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks")], indirect=True)
 def test_a_budget_on_an_fsdp2_step_checkpoints_units_and_holds(ranks: Ranks) -> None:
     _check(ranks, "fsdp2_budget_checkpoints_units_and_holds")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(worlds.TIMEOUT_S)
 @pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks")], indirect=True)
 def test_an_fsdp2_step_refuses_what_it_cannot_honour_naming_the_way(ranks: Ranks) -> None:
     _check(ranks, "fsdp2_step_refuses_what_it_cannot_honour")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(worlds.TIMEOUT_S)
 @pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks")], indirect=True)
 def test_the_estimate_refuses_a_model_already_sharded(ranks: Ranks) -> None:
     _check(ranks, "estimate_refuses_a_sharded_model")

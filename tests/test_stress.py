@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 import torch
-from conftest import ALL_PLACEMENTS, DEVICES
+from conftest import ALL_PLACEMENTS, DEVICES, STATEFUL_EXAMPLES
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -198,7 +198,7 @@ def machine_for(device: str, backend: str) -> type[RuleBasedStateMachine]:
 def test_the_pool_api_holds_to_the_model_under_any_sequence(placement: tuple[str, str]) -> None:
     run_state_machine_as_test(
         machine_for(*placement),
-        settings=settings(stateful_step_count=40, max_examples=settings().max_examples),
+        settings=settings(stateful_step_count=40, max_examples=STATEFUL_EXAMPLES),
     )
 
 

@@ -165,7 +165,8 @@ class _Search:
 
     def take(self, found: _Candidate, cost: float = 0.0) -> None:
         _apply(self.graph, self.index, found, self.fakes)
-        self.index = _Index(self.graph)  # the busiest node moves as values are recomputed
+        # The busiest node moves as values are recomputed: indexed again, from the last.
+        self.index = _Index(self.graph, self.index)
         self.peaks.append(self.index.peak)
         if self.index.peak < self.peaks[self.best]:
             self.best = self.count
@@ -225,34 +226,69 @@ def _producers(chain: list[Node]) -> list[Node]:
 
 
 class _Index:
-    """Positions, storages and readers of a graph's values, as they are now."""
+    """Positions, storages and readers of a graph's values, as they are now.
 
-    def __init__(self, graph: Graph) -> None:
+    Built again after every step of the search (the busiest node moves as values are
+    recomputed), from ``before``, the index of the graph before that step, where given: what
+    a node's value and arguments give (its storage, the storages it writes, a storage's
+    readers) is taken from ``before`` wherever the step left it as it was. A step inserts
+    nodes, erases some and rewires the late readers; the storages whose readers that changes
+    are those of the nodes it added, erased or rewired and of their inputs, before and after
+    (the rest keep their readers, in the same order: nodes never move)."""
+
+    def __init__(self, graph: Graph, before: _Index | None = None) -> None:
         self.nodes = list(graph.nodes)
         self.position = {n: i for i, n in enumerate(self.nodes)}
+        # Per node: its arguments as indexed (to tell a rewired node), its value's storage and
+        # the nodes whose storages it writes in place.
+        self._args: dict[Node, tuple[object, object, list[Node]]] = {}
+        self._key: dict[Node, StorageWeakRef | None] = {} if before is None else before._key
+        self._writes_to: dict[Node, list[Node]] = {}
+        self._readers: dict[StorageWeakRef, list[Node]] = {}
+        self._nbytes: dict[StorageWeakRef, int] = {} if before is None else before._nbytes
         self.key: dict[Node, StorageWeakRef] = {}
         self.members: dict[StorageWeakRef, list[Node]] = {}
         self.inputs: set[StorageWeakRef] = set()
+        touched: list[Node] = []  # nodes whose users may differ from ``before``'s
         for n in self.nodes:
-            val = n.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                key = StorageWeakRef(val.untyped_storage())  # type: ignore[no-untyped-call]
+            args = n.args, n.kwargs
+            seen = None if before is None else before._args.get(n)
+            if seen is not None and seen[0] is args[0] and seen[1] is args[1]:
+                self._args[n] = seen
+                self._writes_to[n] = before._writes_to[n]  # type: ignore[union-attr]
+            else:
+                inputs = n.all_input_nodes
+                self._args[n] = (*args, inputs)
+                self._writes_to[n] = _written_by(n)
+                if before is not None:
+                    touched += [n, *inputs, *(seen[2] if seen is not None else ())]
+            if n in self._key:
+                key = self._key[n]
+            else:
+                val = n.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    key = StorageWeakRef(val.untyped_storage())  # type: ignore[no-untyped-call]
+                    self._nbytes.setdefault(key, val.untyped_storage().nbytes())
+                else:
+                    key = None
+                self._key[n] = key
+            if key is not None:
                 self.key[n] = key
                 self.members.setdefault(key, []).append(n)
                 if n.op in ("placeholder", "get_attr"):
                     self.inputs.add(key)
+        if before is not None:
+            for n, (_, _, inputs) in before._args.items():
+                if n not in self.position:  # erased
+                    touched += [n, *inputs]
+            stale = {self._key.get(n) for n in touched}
+            self._readers = {k: r for k, r in before._readers.items() if k not in stale}
         # Where each storage is written in place (an op's mutable argument on it).
         self.written: dict[StorageWeakRef, list[int]] = {}
         for n in self.nodes:
-            schema = getattr(n.target, "_schema", None)
-            if n.op != "call_function" or schema is None:
-                continue
-            for argument, passed in zip(schema.arguments, n.args, strict=False):
-                if argument.alias_info is None or not argument.alias_info.is_write:
-                    continue
-                for target in _nodes_in([passed]):
-                    if target in self.key:
-                        self.written.setdefault(self.key[target], []).append(self.position[n])
+            for target in self._writes_to[n]:
+                if target in self.key:
+                    self.written.setdefault(self.key[target], []).append(self.position[n])
         self.busiest, self.peak = self._busiest()
 
     def unchanged(self, node: Node, after: int, before: int) -> bool:
@@ -269,10 +305,10 @@ class _Index:
         for key, members in self.members.items():
             if key in self.inputs:
                 continue
-            start = min(self.position[m] for m in members)
+            start = self.position[members[0]]  # members are in graph order
             readers = self.readers(key)
             end = self.position[readers[-1]] if readers else start
-            nbytes = members[0].meta["val"].untyped_storage().nbytes()
+            nbytes = self._nbytes[key]
             live[start] += nbytes
             live[end + 1] -= nbytes
         best = at = total = 0
@@ -284,13 +320,19 @@ class _Index:
 
     def readers(self, key: StorageWeakRef) -> list[Node]:
         """The nodes that read the storage ``key`` (not its aliases), in graph order."""
-        members = set(self.members[key])
-        # A split of the storage is a view, not a reader: its pieces are members, and their
-        # users read it.
-        found = {
-            u for m in members for u in m.users if u not in members and not _split_of(u, members)
-        }
-        return sorted(found, key=self.position.__getitem__)
+        found = self._readers.get(key)
+        if found is None:
+            members = set(self.members[key])
+            # A split of the storage is a view, not a reader: its pieces are members, and
+            # their users read it.
+            readers = {
+                u
+                for m in members
+                for u in m.users
+                if u not in members and not _split_of(u, members)
+            }
+            found = self._readers[key] = sorted(readers, key=self.position.__getitem__)
+        return found
 
     def alive_at(self, node: Node, at: int) -> bool:
         """Whether ``node``'s storage is alive at position ``at`` without recomputation."""
@@ -300,6 +342,19 @@ class _Index:
         if key in self.inputs:
             return True
         return any(self.position[r] >= at for r in self.readers(key))
+
+
+def _written_by(node: Node) -> list[Node]:
+    """The nodes whose storages ``node`` writes in place (its mutable arguments)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    return [
+        target
+        for argument, passed in zip(schema.arguments, node.args, strict=False)
+        if argument.alias_info is not None and argument.alias_info.is_write
+        for target in _nodes_in([passed])
+    ]
 
 
 def _value(node: Node, heavy: bool = False) -> Node | None:

@@ -16,7 +16,7 @@
 //
 // No CUDA header is needed: a stream is an opaque pointer here, and the upstream pair is
 // called through pointers, so this file builds (and is tested) on machines without CUDA.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <map>

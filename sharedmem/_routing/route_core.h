@@ -24,7 +24,7 @@
 //   arena's live map, fenced, until freed wherever that happens.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <atomic>

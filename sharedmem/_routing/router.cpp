@@ -8,7 +8,7 @@
 //   has diverged from its plan, the upstream allocator (the one installed before us) serves.
 // - c10's raw_allocate asserts that a DataPtr's context is its data pointer, so every DataPtr
 //   we hand out is (ptr, ptr, route_delete) and the deleter finds the arena from the address.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <c10/core/CPUAllocator.h>
 
