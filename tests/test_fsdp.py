@@ -268,6 +268,48 @@ def pooled_train_step_on_fsdp2_equals_eager(rank: int, world: int) -> None:
 
 
 @case(2)
+def compile_backend_on_fsdp2_equals_eager(rank: int, world: int) -> None:
+    # torch.compile with the pool's backend on an FSDP2 model, compiled the way torchtitan
+    # compiles one: each block its own torch.compile, then fully_shard on each and at the root
+    # (FSDP2's hooks run eagerly between the compiled blocks). Eager FSDP2's loss and full
+    # gradients bit for bit over several steps, the blocks' graphs served from the arena.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sharedmem._compile import compile_backend
+
+    mesh = init_device_mesh("cpu", (world,))
+    pool = sm.BufferPool("cpu")
+    backend = compile_backend(pool)
+    eager = _blocks(mesh)
+    torch.manual_seed(0)
+    pooled = nn.Sequential(*(_Block(32, 256) for _ in range(2)), nn.Linear(32, 4))
+    for i in range(len(pooled)):
+        pooled[i] = torch.compile(pooled[i], backend=backend)
+        fully_shard(pooled[i], mesh=mesh)
+    fully_shard(pooled, mesh=mesh)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, pooled)]
+    problems: list[str] = []
+    for i in range(STEP_CALLS):
+        torch.manual_seed(1000 * rank + 10 * i)
+        x, y = torch.randn(16, 32), torch.randn(16, 4)
+        losses = []
+        for m, opt in zip((eager, pooled), opts, strict=True):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+        if not torch.equal(*losses):
+            problems.append(f"step {i}: the loss differs")
+        problems += _grads_differ(eager, pooled, f"step {i}")
+        for opt in opts:
+            opt.step()
+    if not pool.stats().get("arena_served_bytes"):
+        problems.append(f"nothing served from the arena: {pool.stats()}")
+    assert not problems, "\n".join(problems)
+
+
+@case(2)
 def fsdp2_budget_checkpoints_units_and_holds(rank: int, world: int) -> None:
     # A budget between the sharded estimates of the step with its blocks' forwards
     # checkpointed and of the least chunk count: no chunk count reaches it, so the step
@@ -374,6 +416,12 @@ def test_pooled_fsdp2_step_equals_eager_fsdp2_on_four_ranks(ranks: Ranks) -> Non
 @pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks"), FOUR], indirect=True)
 def test_pooled_train_step_on_fsdp2_equals_eager_fsdp2(ranks: Ranks) -> None:
     _check(ranks, "pooled_train_step_on_fsdp2_equals_eager")
+
+
+@pytest.mark.timeout(worlds.TIMEOUT_S)
+@pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks")], indirect=True)
+def test_the_compile_backend_on_an_fsdp2_model_equals_eager_fsdp2(ranks: Ranks) -> None:
+    _check(ranks, "compile_backend_on_fsdp2_equals_eager")
 
 
 @pytest.mark.timeout(worlds.TIMEOUT_S)
