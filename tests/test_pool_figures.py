@@ -89,9 +89,9 @@ def test_give_back_above_keeps_the_bytes_below_and_only_on_a_stable_address(back
     assert pool.stats()["device_reserved_bytes"] == (8192 if stable else 4 * MiB)
     assert bool((pool.tensor("a", (2000,)) == 1.0).all())
     assert pool.give_back_above("absent", 0) == 0
-    with pytest.raises(ValueError, match="^sharedmem: nbytes must be >= 0"):
+    with pytest.raises(ValueError, match=r"^sharedmem: nbytes must be >= 0"):
         pool.give_back_above("a", -1)
-    with pytest.raises(TypeError, match="^sharedmem: buffer name must be a str"):
+    with pytest.raises(TypeError, match=r"^sharedmem: buffer name must be a str"):
         pool.give_back_above(3, 0)  # type: ignore[arg-type]
 
 
