@@ -269,17 +269,17 @@ class Fitted:
                 if level is not None and self.exact:
                     return 1, level
             low, high = 1, total  # low does not fit; high is the most there can be
-            halved = True  # whether the last probe at least halved the range
+            misses = 0  # probes in a row that did not halve the range
             while high - low > 1:
                 middle = (low + high) // 2
-                guess = _interpolated(needs, low, high, total, budget) if halved else None
+                guess = _interpolated(needs, low, high, total, budget) if misses < 2 else None
                 probe = middle if guess is None else guess
+                before = high - low
                 if fits(probe):
-                    halved = high - probe >= probe - low
                     high = probe
                 else:
-                    halved = probe - low >= high - probe
                     low = probe
+                misses = misses + 1 if 2 * (high - low) > before else 0
             if level is not None and not (
                 fits(high) and self._chunks_faster(inputs, targets, high, level)
             ):
