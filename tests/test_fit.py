@@ -507,11 +507,21 @@ def test_a_budget_recomputation_meets_runs_the_whole_batch_bit_for_bit() -> None
 
 
 def _cnn_batch() -> tuple[torch.Tensor, torch.Tensor, int]:
+    """deep_cnn's batch of 32 (fresh tensors each call) and its unchunked plan's bytes."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 32, 32, generator=gen), torch.randn(32, 5, generator=gen)
+    return x, y, _cnn_unchunked()
+
+
+@functools.cache
+def _cnn_unchunked() -> int:
+    # Planned once for the tests that share this batch (a trace and a plan each otherwise);
+    # the default plan reads no cost constant a test patches (OP_CALL_FLOPS).
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, 3, 32, 32, generator=gen), torch.randn(32, 5, generator=gen)
     planned = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"))
     plan = planned.memory_plan(x, y)
-    return x, y, plan.pooled_bytes + plan.beside_peak
+    return plan.pooled_bytes + plan.beside_peak
 
 
 def test_where_recomputation_cannot_meet_a_budget_the_report_says_what_bounds_it() -> None:
@@ -524,15 +534,13 @@ def test_where_recomputation_cannot_meet_a_budget_the_report_says_what_bounds_it
     # One figure for what recomputation reaches: the plan's own peak, as the estimate gives it.
     estimated = sm.estimate(deep_cnn(0), x, y, loss_fn=F.mse_loss).time_for_memory
     assert least == estimated[-1][1], (least, estimated)
-    most_plan = sm.pooled_train_step(
-        deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), recompute=sm.Recompute.MOST
-    ).memory_plan(x, y)
+    pool = sm.BufferPool("cpu")
+    most = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=pool, recompute=sm.Recompute.MOST)
+    most_plan = most.memory_plan(x, y)  # planned before it runs: its trace serves the run
     assert least == planned_peak(most_plan) == most_plan.pooled_bytes + most_plan.beside_peak
     report = low.report()
     assert f"{least:,}" in report and f"{floor:,}" in report and op in report
     # The floor bounds what runs: the step recomputing as much as lowers its peak, measured.
-    pool = sm.BufferPool("cpu")
-    most = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=pool, recompute=sm.Recompute.MOST)
     most(x, y)  # captured and planned outside the profiler (with it, 25 s of tracing recorded)
     most.model.zero_grad(set_to_none=True)
     held = allocator_peak(functools.partial(most, x, y)) + pool.stats()["reserved_bytes"]

@@ -11,6 +11,7 @@ need falls as chunks get smaller); each distinct chunk shape is planned once.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -109,6 +110,10 @@ class Fitted:
         # Where recomputation alone could not meet the budget, by signature label: the
         # least it plans, and the floor no recomputation goes below (bytes, the op).
         self.unreached: dict[str, tuple[int, int, str]] = {}
+        # Plans made during one search, by (step, signature, with gradients, recomputation):
+        # the pool stands still while it plans, so a chunk shape met again (in two counts,
+        # or by the recomputation tried first and then compared) is planned once.
+        self._plans: dict[tuple[object, ...], MemoryPlan] = {}
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -227,11 +232,27 @@ class Fitted:
         limit: int | None,
         accumulating: bool,
     ) -> tuple[int, Recompute | None]:
-        """Bisect for the fewest chunks that fit, and the recomputation with which one chunk
+        """Search for the fewest chunks that fit (a bisection, each probe put where the needs
+        known place the budget: ``_interpolated``), and the recomputation with which one chunk
         fits (tried before any chunks: ``_recomputes``; ``None``: none). If none does with
         the pool as it is (its buffers were sized by other shapes), this step's own buffers
         are given back once and the search runs again on what is left."""
+        try:
+            return self._searched(inputs, targets, total, budget, limit, accumulating)
+        finally:
+            self._plans.clear()
+
+    def _searched(
+        self,
+        inputs: object,
+        targets: object,
+        total: int,
+        budget: int,
+        limit: int | None,
+        accumulating: bool,
+    ) -> tuple[int, Recompute | None]:
         for attempt in range(2):
+            self._plans.clear()  # the pool's own buffers may have been given back
             needs: dict[int, Need | None] = {}
 
             def fits(chunks: int, needs: dict[int, Need | None] = needs) -> bool:
@@ -248,12 +269,17 @@ class Fitted:
                 if level is not None and self.exact:
                     return 1, level
             low, high = 1, total  # low does not fit; high is the most there can be
+            misses = 0  # probes in a row that did not halve the range
             while high - low > 1:
                 middle = (low + high) // 2
-                if fits(middle):
-                    high = middle
+                guess = _interpolated(needs, low, high, total, budget) if misses < 2 else None
+                probe = middle if guess is None else guess
+                before = high - low
+                if fits(probe):
+                    high = probe
                 else:
-                    low = middle
+                    low = probe
+                misses = misses + 1 if 2 * (high - low) > before else 0
             if level is not None and not (
                 fits(high) and self._chunks_faster(inputs, targets, high, level)
             ):
@@ -364,6 +390,34 @@ def give_back_slots(executor: PooledTrainStep | PooledForward) -> bool:
     regrows them to its own plan); whether any held memory."""
     pool = executor.pool
     return sum(pool.blob(name).data_memory.release() for name in executor.slot_names()) > 0
+
+
+def _interpolated(
+    needs: dict[int, Need | None], low: int, high: int, total: int, budget: int
+) -> int | None:
+    """The count strictly between ``low`` (does not fit) and ``high`` (fits, or the most
+    there can be) whose biggest chunk the two nearest needs known, taken as a line in the
+    biggest chunk's examples, put at the budget; ``None`` where they cannot say (then the
+    search bisects). Only where the next probe falls: the search keeps its bounds, so it
+    ends at the same count a bisection does (the fewest that fits, as the need falls with
+    the chunk's size), in fewer plans (each a trace of a new chunk shape)."""
+    known = [(-(-total // c), need.total) for c, need in sorted(needs.items()) if need is not None]
+    below = [(s, n) for s, n in known if s >= -(-total // low)]  # low's chunk or bigger
+    above = [(s, n) for s, n in known if s <= -(-total // high)]
+    points = below[-2:] if not above else [below[-1], above[0]]
+    if len(points) < 2:
+        return None
+    (s1, n1), (s2, n2) = points
+    if s1 == s2 or n1 == n2:
+        return None
+    slope = (n1 - n2) / (s1 - s2)
+    if slope <= 0:
+        return None
+    size = s2 + (budget - n2) / slope  # the biggest chunk the budget holds, on that line
+    if size < 1:
+        return None
+    chunks = -(-total // max(1, math.floor(size)))  # the fewest with chunks that small
+    return min(max(chunks, low + 1), high - 1)
 
 
 def _distinct(parts: Iterable[Chunk]) -> list[Chunk]:
@@ -515,9 +569,7 @@ class TrainBudget(Fitted):
         least = need_at(levels[-1])
         if least is None or not least.fits(budget, limit):
             if least is not None:  # say why: what it reached, and what bounds it
-                plan = self.step.memory_plan(
-                    inputs, targets, with_grads=accumulating, recompute=levels[-1]
-                )
+                plan = self._plan(self.step, inputs, targets, accumulating, levels[-1])
                 self.unreached[_label(inputs, targets)] = (
                     planned_peak(plan), plan.floor, plan.floor_op
                 )  # fmt: skip
@@ -555,12 +607,28 @@ class TrainBudget(Fitted):
         for part in self.splitter.split(inputs, targets, chunks):
             runner, chunk_targets = self._chunk_step(part, chunks)
             chunked += runner.modelled_time(part.inputs, chunk_targets)
-        plan = step.memory_plan(inputs, targets, with_grads=False, recompute=level)
+        plan = self._plan(step, inputs, targets, False, level)
         by_chunks = chunked / whole - 1.0
         fraction = plan.recompute_cost
         fraction *= step.modelled_time(inputs, targets, per_call=False) / whole  # of the same
         self.compared[_label(inputs, targets)] = (chunks, by_chunks, fraction)
         return by_chunks < fraction
+
+    def _plan(
+        self,
+        step: PooledTrainStep,
+        inputs: object,
+        targets: object,
+        with_grads: bool,
+        recompute: Recompute,
+    ) -> MemoryPlan:
+        """``step.memory_plan``, made once per search (``_plans``)."""
+        key = (id(step), signature(inputs, targets), with_grads, recompute)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = step.memory_plan(inputs, targets, with_grads=with_grads, recompute=recompute)
+            self._plans[key] = plan
+        return plan
 
     def _chunk_step(self, part: Chunk, chunks: int) -> tuple[PooledTrainStep, object]:
         """The step that plans one of ``chunks`` chunks, and the targets it takes: where
@@ -576,9 +644,7 @@ class TrainBudget(Fitted):
     ) -> ChunkNeed:
         def plan(with_grads: bool) -> MemoryPlan:
             step, targets = self._chunk_step(part, chunks)
-            return step.memory_plan(
-                part.inputs, targets, with_grads=with_grads, recompute=recompute
-            )
+            return self._plan(step, part.inputs, targets, with_grads, recompute)
 
         # The plan's timeline at its busiest: unpooled results, their scratch, and the new
         # gradients. A chunk that adds into gradients already there (every chunk after the
