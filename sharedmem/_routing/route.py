@@ -33,7 +33,8 @@ An optimizer's state is neither: the step that makes it runs with the scope set 
 Plans are kept per set of fences (a few): a loop whose evaluation runs while the gradients
 of its training step are held plans the evaluation once around them (growing the arena, where
 that lowers the evaluation's peak, up to the held bytes and its own peak: eager's in that
-state), and one that evaluates after ``zero_grad()`` plans it once over the whole arena. A
+state; a traced evaluation's first call there is planned before it runs by the same rule),
+and one that evaluates after ``zero_grad()`` plans it once over the whole arena. A
 training step's passing state (accumulation) never grows it. When another route grows the arena
 a plan is made again for the arena as it is, without growing it; the recording is never
 redone for that.
@@ -172,6 +173,9 @@ class Route:
         # An optimizer steps in the block: the gradients it finds held are its steady state
         # (every call reads them), not a passing one, so its plans may grow the arena.
         self.optimizer = False
+        # The arena's bytes before this route's first call grew it for a passing state
+        # (``_guide``): its plan gives the growth back as a plan of that state does.
+        self._grown_from: int | None = None
 
     @contextmanager
     def scope(self) -> Iterator[None]:
@@ -195,8 +199,12 @@ class Route:
                 # A first call with a predicted sequence: the arena grown to that sequence's
                 # plan before it runs, and the call served by the plan where it keeps to it.
                 with self._lock:
+                    self._grown_from = None
                     guide = self._guide(lane, fences) if planned is None else None
+                    grown_from = self._grown_from
                 self.guided = guide is not None
+                if grown_from is not None and lane == self._arena:
+                    arenas.mark_passing(self._arena, id(self), grown_from)
                 before = self._host.device_capacity(lane)
                 room = self._room(lane)
                 if room is None:
@@ -334,7 +342,9 @@ class Route:
         )  # in allocation order, as the router meets them
         outliving = [i for i, free in enumerate(predicted.free_at) if free < 0]
         grow = not fences or self.optimizer
-        ceiling = self._ceiling() if grow else capacity
+        # A passing state (an evaluation while gradients are held): the steady evaluation's
+        # rule, up to eager's peak in that state where growing lowers the call's peak.
+        ceiling = self._ceiling() if grow else self._passing_ceiling(capacity, predicted, fences)
         plan = choose_plan(
             placeable(predicted, outliving),
             capacity=capacity,
@@ -344,6 +354,8 @@ class Route:
         )
         if plan.need > capacity and self._place(lane, plan) is None:
             return None  # the lane cannot grow now: best fit in it as it is
+        if not grow and plan.need > capacity:
+            self._grown_from = capacity  # a passing state's growth, given back as a plan's
         offsets = [o if o >= 0 else -2 for o in plan.offsets]
         return module.Plan(list(predicted.sizes), offsets, [0] * len(offsets))
 
@@ -411,6 +423,7 @@ class Route:
                 # now: this call's values (gradients) are still held, and an arena grown
                 # beside them would add to its peak what no call needs at once.
                 self.plan = self._adopt(recording, lane, fences, grow=grow, now=False).plan
+            self._grown_from = None
 
     def derive(self, recording: Recording) -> None:
         """Plan ``recording``, a sequence derived rather than recorded (another size of a
@@ -506,7 +519,8 @@ class Route:
         outlives = [1 if f < 0 else 0 for f in recording.free_at]
         module = _module(host)
         assert module is not None, "a route is planned only where a router runs"
-        passing_from = before if not grow and need > before else None
+        base = before if self._grown_from is None else min(before, self._grown_from)
+        passing_from = base if not grow and need > base else None
         planned = _Planned(
             plan, module.Plan(list(recording.sizes), offsets, outlives), covers, passing_from
         )
