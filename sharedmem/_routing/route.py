@@ -3,7 +3,10 @@
 The first call of a signature runs inside the arena as it is: the router serves each
 allocation at the smallest free range of the arena's bytes that holds it (best fit), and
 PyTorch only what does not fit (on an empty arena, all of it, as without a pool), so the
-first call of a new state costs no more than the arena's free room lacks. A traced step's
+first call of a new state costs no more than the arena's free room lacks. An evaluation's
+first call while gradients are held in the arena may also be served past the arena's bytes,
+in the pages its address range reserved (``_reach``), the arena grown over what it served:
+eager's peak in that state, given back when another route's call begins. A traced step's
 first call is planned before it runs (``predict``): its graph and measured kernels predict
 its sequence, the arena grows to that sequence's plan first, and the router serves each
 allocation at its predicted place where the call keeps to the prediction (best fit where not),
@@ -207,10 +210,13 @@ class Route:
                     arenas.mark_passing(self._arena, id(self), grown_from)
                 before = self._host.device_capacity(lane)
                 room = self._room(lane)
+                reach = self._reach(lane, fences) if guide is None and room is not None else 0
                 if room is None:
                     router.begin_record(0, 0, None)
                 elif guide is not None and not _on_cuda(self._host):
                     router.begin_record(room.data_ptr(), room.numel(), room, guide)
+                elif reach > room.numel():  # the pages past the buffer, mapped already
+                    router.begin_record(room.data_ptr(), reach, room)
                 else:  # the router keeps the view's memory while a tensor lives in it
                     router.begin_record(room.data_ptr(), room.numel(), room)
                 completed = False
@@ -221,6 +227,8 @@ class Route:
                 finally:
                     optimizer.leave(frame)
                     recording = Recording(*router.end_record())
+                    if reach:
+                        self._cover(lane, recording, fences, before)
                 self.optimizer |= frame.stepped
                 # A call in which an optimizer made its state (set aside: PyTorch's) is not
                 # the block's steady sequence: the next call records it.
@@ -233,7 +241,8 @@ class Route:
                 # then grown after it, beside what PyTorch served and still holds.
                 after = self._host.device_capacity(lane)
                 others = recording.beside_arena()
-                peak = max(before + others.live_peak(), after + others.outliving_bytes)
+                during = after if reach else before  # what it served past the buffer, too
+                peak = max(during + others.live_peak(), after + others.outliving_bytes)
                 self.last_peak = CallPeak(after, peak - after, True, True)
                 return
             if planned.passing_from is not None and lane == self._arena:
@@ -256,6 +265,43 @@ class Route:
                         self._redo = True
         finally:
             arenas.give_back(lane)
+
+    def _reach(self, lane: str, fences: Fences) -> int:
+        """How far past ``lane``'s bytes a recording call in a passing state (an evaluation
+        while gradients are held; no plan predicted it) may serve by best fit: to the end of
+        the address range the buffer reserved, within the pool's limit (the pages are mapped
+        and committed only as they are touched). An evaluation at twice the batch whose
+        largest temporary (a 9 MB weight reorder on ResNet-18) misses the room above the
+        held gradients by a few hundred KB is then served above them, not beside the arena
+        at nearly twice eager's peak; the buffer is grown over what the call served
+        (``_cover``), and given back when a call of another route begins, as the plan of
+        that state grows and gives back. 0: the call records in the buffer as it is (no
+        fences, a training or optimizer block, another lane, a moving buffer, CUDA)."""
+        host = self._host
+        if not fences or self.training or self.optimizer or lane != self._arena:
+            return 0
+        if _on_cuda(host) or not host.stable_address:
+            return 0
+        return host.in_place_room(lane)
+
+    def _cover(self, lane: str, recording: Recording, fences: Fences, before: int) -> None:
+        """A recording served past ``lane``'s ``before`` bytes (``_reach``): the buffer
+        grown, in place, over the highest byte the call served (its pages are those the
+        call touched), and the growth marked as a passing state's."""
+        served = zip(recording.served_at, recording.sizes, strict=True)
+        tops = [at + size for at, size in served if at >= 0] if recording.served_at else []
+        top = max([0, *tops, *(high for _, high in fences)])
+        if top <= before:
+            return
+        host = self._host
+        try:
+            view = host.tensor(lane, (top,), torch.uint8)  # within the reserved range: no move
+        except OutOfMemoryError:  # the limit changed during the call: the router fences them
+            return
+        host.arenas.served_from(lane, view.data_ptr())
+        host.arenas.mark_passing(self._arena, id(self), before)
+        with self._lock:
+            self._grown_from = before
 
     def _give_back_passing(self, router: Any) -> None:
         """A call of this route begins on the arena: where another route's plan of a passing
