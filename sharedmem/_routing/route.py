@@ -247,6 +247,7 @@ class Route:
                 return
             if planned.passing_from is not None and lane == self._arena:
                 arenas.mark_passing(self._arena, id(self), planned.passing_from)
+                self._trim_passing(router, planned.plan.need)
             router.begin_replay(planned.native, *place)
             frame = optimizer.enter(router)
             try:
@@ -302,6 +303,16 @@ class Route:
         host.arenas.mark_passing(self._arena, id(self), before)
         with self._lock:
             self._grown_from = before
+
+    def _trim_passing(self, router: Any, need: int) -> None:
+        """A replay of a passing state's plan begins: where the arena is larger than the plan
+        needs (a recording served past it by best fit, ``_cover``), the bytes above the plan's
+        need and what tensors hold are given back."""
+        base = self._host.arenas.base(self._arena)
+        spans = [] if base is None else router.live_ranges(base)
+        keep = max([need, *(int(high) for _, high in spans)])
+        if self._capacity() > round_up(keep, self._host.granularity):
+            self._host.give_back_above(self._arena, keep)
 
     def _give_back_passing(self, router: Any) -> None:
         """A call of this route begins on the arena: where another route's plan of a passing
@@ -512,6 +523,10 @@ class Route:
         # when the next call begins (``_place``). The caller holds the lock.
         host = self._host
         before = self._capacity()
+        if not grow and self._grown_from is not None:
+            # A recording served past the arena (``_reach``): planned into the arena as it
+            # was, its best-fit growth given back down to the plan's need (``_trim_passing``).
+            before = min(before, self._grown_from)
         ceiling = self._ceiling() if grow else self._passing_ceiling(before, recording, fences)
         outliving = [
             i
