@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import mmap
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -410,7 +411,9 @@ class BufferPool:
         loss kept in a list) is left to PyTorch's allocator from then on; a block that runs while
         such tensors are held (an evaluation before ``zero_grad()``) is planned around them, once,
         and may grow the arena up to the peak eager holds in that state (the held bytes and its own)
-        where that lowers its peak. An ``optimizer.step()`` in the block that makes the optimizer's
+        where that lowers its peak (its first run too: it is served past the arena's bytes, in
+        the pages the arena's address range reserved, and the arena grown over what it served).
+        An ``optimizer.step()`` in the block that makes the optimizer's
         state (its first step, or a parameter's first gradient) runs as without the pool, so that
         the state, which lives across steps, is never in the arena; the temporaries of its later
         steps are served, and around gradients held in the arena its plan may grow the arena
@@ -519,6 +522,25 @@ class BufferPool:
                 if have and not side.stable_address:
                     held = max(held, have)
         return self._ledger.device_reserved + added + held
+
+    def in_place_room(self, name: str) -> int:
+        """The most device bytes the buffer ``name`` may grow to where it keeps its address:
+        the address range its block reserved (a stable-address host pool), within the limit;
+        its capacity where any growth would move it (or it has no block yet). Those bytes are
+        mapped already: a routed recording may serve from them before the buffer grows over
+        them (``Route``), touching only the pages it serves."""
+        check_name(name)
+        blob = self._blobs.get(name)
+        if blob is None:
+            return 0
+        memory = blob.data_memory
+        capacity = memory.device_capacity
+        block = memory._device.block  # the pool owns its memories
+        if not self.stable_address or block is None or not isinstance(block.handle, mmap.mmap):
+            return capacity
+        reach = len(block.handle) // self.granularity * self.granularity
+        room = self.growth_room(name)
+        return max(capacity, reach if room is None else min(reach, room))
 
     def give_back_above(self, name: str, nbytes: int) -> int:
         """Give back the device bytes of the buffer ``name`` above ``nbytes`` (rounded up to

@@ -137,6 +137,11 @@ class ArenaHost(Protocol):
         """The most device bytes ``name`` may grow to (``None``: no limit)."""
         ...
 
+    def in_place_room(self, name: str) -> int:
+        """The most device bytes ``name`` may grow to without moving, within the limit (its
+        capacity where any growth would move it)."""
+        ...
+
     def give_back_above(self, name: str, nbytes: int) -> int:
         """Give back the device bytes of the buffer ``name`` above ``nbytes``, those below
         staying where they are (0 where they cannot: a moving buffer)."""

@@ -3,7 +3,10 @@
 The first call of a signature runs inside the arena as it is: the router serves each
 allocation at the smallest free range of the arena's bytes that holds it (best fit), and
 PyTorch only what does not fit (on an empty arena, all of it, as without a pool), so the
-first call of a new state costs no more than the arena's free room lacks. A traced step's
+first call of a new state costs no more than the arena's free room lacks. An evaluation's
+first call while gradients are held in the arena may also be served past the arena's bytes,
+in the pages its address range reserved (``_reach``), the arena grown over what it served:
+eager's peak in that state, given back when another route's call begins. A traced step's
 first call is planned before it runs (``predict``): its graph and measured kernels predict
 its sequence, the arena grows to that sequence's plan first, and the router serves each
 allocation at its predicted place where the call keeps to the prediction (best fit where not),
@@ -33,7 +36,8 @@ An optimizer's state is neither: the step that makes it runs with the scope set 
 Plans are kept per set of fences (a few): a loop whose evaluation runs while the gradients
 of its training step are held plans the evaluation once around them (growing the arena, where
 that lowers the evaluation's peak, up to the held bytes and its own peak: eager's in that
-state), and one that evaluates after ``zero_grad()`` plans it once over the whole arena. A
+state; a traced evaluation's first call there is planned before it runs by the same rule),
+and one that evaluates after ``zero_grad()`` plans it once over the whole arena. A
 training step's passing state (accumulation) never grows it. When another route grows the arena
 a plan is made again for the arena as it is, without growing it; the recording is never
 redone for that.
@@ -172,6 +176,9 @@ class Route:
         # An optimizer steps in the block: the gradients it finds held are its steady state
         # (every call reads them), not a passing one, so its plans may grow the arena.
         self.optimizer = False
+        # The arena's bytes before this route's first call grew it for a passing state
+        # (``_guide``): its plan gives the growth back as a plan of that state does.
+        self._grown_from: int | None = None
 
     @contextmanager
     def scope(self) -> Iterator[None]:
@@ -195,14 +202,21 @@ class Route:
                 # A first call with a predicted sequence: the arena grown to that sequence's
                 # plan before it runs, and the call served by the plan where it keeps to it.
                 with self._lock:
+                    self._grown_from = None
                     guide = self._guide(lane, fences) if planned is None else None
+                    grown_from = self._grown_from
                 self.guided = guide is not None
+                if grown_from is not None and lane == self._arena:
+                    arenas.mark_passing(self._arena, id(self), grown_from)
                 before = self._host.device_capacity(lane)
                 room = self._room(lane)
+                reach = self._reach(lane, fences) if guide is None and room is not None else 0
                 if room is None:
                     router.begin_record(0, 0, None)
                 elif guide is not None and not _on_cuda(self._host):
                     router.begin_record(room.data_ptr(), room.numel(), room, guide)
+                elif reach > room.numel():  # the pages past the buffer, mapped already
+                    router.begin_record(room.data_ptr(), reach, room)
                 else:  # the router keeps the view's memory while a tensor lives in it
                     router.begin_record(room.data_ptr(), room.numel(), room)
                 completed = False
@@ -213,6 +227,8 @@ class Route:
                 finally:
                     optimizer.leave(frame)
                     recording = Recording(*router.end_record())
+                    if reach:
+                        self._cover(lane, recording, fences, before)
                 self.optimizer |= frame.stepped
                 # A call in which an optimizer made its state (set aside: PyTorch's) is not
                 # the block's steady sequence: the next call records it.
@@ -225,11 +241,13 @@ class Route:
                 # then grown after it, beside what PyTorch served and still holds.
                 after = self._host.device_capacity(lane)
                 others = recording.beside_arena()
-                peak = max(before + others.live_peak(), after + others.outliving_bytes)
+                during = after if reach else before  # what it served past the buffer, too
+                peak = max(during + others.live_peak(), after + others.outliving_bytes)
                 self.last_peak = CallPeak(after, peak - after, True, True)
                 return
             if planned.passing_from is not None and lane == self._arena:
                 arenas.mark_passing(self._arena, id(self), planned.passing_from)
+                self._trim_passing(router, planned.plan.need)
             router.begin_replay(planned.native, *place)
             frame = optimizer.enter(router)
             try:
@@ -248,6 +266,53 @@ class Route:
                         self._redo = True
         finally:
             arenas.give_back(lane)
+
+    def _reach(self, lane: str, fences: Fences) -> int:
+        """How far past ``lane``'s bytes a recording call in a passing state (an evaluation
+        while gradients are held; no plan predicted it) may serve by best fit: to the end of
+        the address range the buffer reserved, within the pool's limit (the pages are mapped
+        and committed only as they are touched). An evaluation at twice the batch whose
+        largest temporary (a 9 MB weight reorder on ResNet-18) misses the room above the
+        held gradients by a few hundred KB is then served above them, not beside the arena
+        at nearly twice eager's peak; the buffer is grown over what the call served
+        (``_cover``), and given back when a call of another route begins, as the plan of
+        that state grows and gives back. 0: the call records in the buffer as it is (no
+        fences, a training or optimizer block, another lane, a moving buffer, CUDA)."""
+        host = self._host
+        if not fences or self.training or self.optimizer or lane != self._arena:
+            return 0
+        if _on_cuda(host) or not host.stable_address:
+            return 0
+        return host.in_place_room(lane)
+
+    def _cover(self, lane: str, recording: Recording, fences: Fences, before: int) -> None:
+        """A recording served past ``lane``'s ``before`` bytes (``_reach``): the buffer
+        grown, in place, over the highest byte the call served (its pages are those the
+        call touched), and the growth marked as a passing state's."""
+        served = zip(recording.served_at, recording.sizes, strict=True)
+        tops = [at + size for at, size in served if at >= 0] if recording.served_at else []
+        top = max([0, *tops, *(high for _, high in fences)])
+        if top <= before:
+            return
+        host = self._host
+        try:
+            view = host.tensor(lane, (top,), torch.uint8)  # within the reserved range: no move
+        except OutOfMemoryError:  # the limit changed during the call: the router fences them
+            return
+        host.arenas.served_from(lane, view.data_ptr())
+        host.arenas.mark_passing(self._arena, id(self), before)
+        with self._lock:
+            self._grown_from = before
+
+    def _trim_passing(self, router: Any, need: int) -> None:
+        """A replay of a passing state's plan begins: where the arena is larger than the plan
+        needs (a recording served past it by best fit, ``_cover``), the bytes above the plan's
+        need and what tensors hold are given back."""
+        base = self._host.arenas.base(self._arena)
+        spans = [] if base is None else router.live_ranges(base)
+        keep = max([need, *(int(high) for _, high in spans)])
+        if self._capacity() > round_up(keep, self._host.granularity):
+            self._host.give_back_above(self._arena, keep)
 
     def _give_back_passing(self, router: Any) -> None:
         """A call of this route begins on the arena: where another route's plan of a passing
@@ -334,7 +399,9 @@ class Route:
         )  # in allocation order, as the router meets them
         outliving = [i for i, free in enumerate(predicted.free_at) if free < 0]
         grow = not fences or self.optimizer
-        ceiling = self._ceiling() if grow else capacity
+        # A passing state (an evaluation while gradients are held): the steady evaluation's
+        # rule, up to eager's peak in that state where growing lowers the call's peak.
+        ceiling = self._ceiling() if grow else self._passing_ceiling(capacity, predicted, fences)
         plan = choose_plan(
             placeable(predicted, outliving),
             capacity=capacity,
@@ -344,6 +411,8 @@ class Route:
         )
         if plan.need > capacity and self._place(lane, plan) is None:
             return None  # the lane cannot grow now: best fit in it as it is
+        if not grow and plan.need > capacity:
+            self._grown_from = capacity  # a passing state's growth, given back as a plan's
         offsets = [o if o >= 0 else -2 for o in plan.offsets]
         return module.Plan(list(predicted.sizes), offsets, [0] * len(offsets))
 
@@ -411,6 +480,7 @@ class Route:
                 # now: this call's values (gradients) are still held, and an arena grown
                 # beside them would add to its peak what no call needs at once.
                 self.plan = self._adopt(recording, lane, fences, grow=grow, now=False).plan
+            self._grown_from = None
 
     def derive(self, recording: Recording) -> None:
         """Plan ``recording``, a sequence derived rather than recorded (another size of a
@@ -453,6 +523,10 @@ class Route:
         # when the next call begins (``_place``). The caller holds the lock.
         host = self._host
         before = self._capacity()
+        if not grow and self._grown_from is not None:
+            # A recording served past the arena (``_reach``): planned into the arena as it
+            # was, its best-fit growth given back down to the plan's need (``_trim_passing``).
+            before = min(before, self._grown_from)
         ceiling = self._ceiling() if grow else self._passing_ceiling(before, recording, fences)
         outliving = [
             i
@@ -506,7 +580,8 @@ class Route:
         outlives = [1 if f < 0 else 0 for f in recording.free_at]
         module = _module(host)
         assert module is not None, "a route is planned only where a router runs"
-        passing_from = before if not grow and need > before else None
+        base = before if self._grown_from is None else min(before, self._grown_from)
+        passing_from = base if not grow and need > base else None
         planned = _Planned(
             plan, module.Plan(list(recording.sizes), offsets, outlives), covers, passing_from
         )

@@ -403,7 +403,10 @@ class State {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& arena : arenas_) {
       if (arena->base == base) {
-        arena->size = std::max(arena->size, size);  // grown in place
+        // Grown in place, or back to the buffer's bytes after a recording served past them
+        // (``Route._reach``): never below an allocation still alive, whose free looks it up.
+        size_t top = arena->live.empty() ? 0 : std::prev(arena->live.end())->second - base;
+        arena->size = std::max(size, top);
         return arena;
       }
     }
