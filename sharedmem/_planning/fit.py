@@ -200,7 +200,10 @@ class Fitted:
         key = (signature(inputs, targets), budget, limit, accumulating)
         chosen = self._chosen.get(key)
         if chosen is None:
-            chosen, level = self._search(inputs, targets, total, budget, limit, accumulating)
+            try:
+                chosen, level = self._search(inputs, targets, total, budget, limit, accumulating)
+            finally:
+                self._plans.clear()  # plans are kept for one search only
             if level is not None:
                 self._recomputed[key] = level
             self._chosen[key] = chosen
@@ -237,20 +240,6 @@ class Fitted:
         fits (tried before any chunks: ``_recomputes``; ``None``: none). If none does with
         the pool as it is (its buffers were sized by other shapes), this step's own buffers
         are given back once and the search runs again on what is left."""
-        try:
-            return self._searched(inputs, targets, total, budget, limit, accumulating)
-        finally:
-            self._plans.clear()
-
-    def _searched(
-        self,
-        inputs: object,
-        targets: object,
-        total: int,
-        budget: int,
-        limit: int | None,
-        accumulating: bool,
-    ) -> tuple[int, Recompute | None]:
         for attempt in range(2):
             self._plans.clear()  # the pool's own buffers may have been given back
             needs: dict[int, Need | None] = {}
