@@ -17,7 +17,7 @@ from torch import nn
 
 import sharedmem as sm
 from sharedmem._executor.executor import derive, size_rule
-from sharedmem._routing.family import SCALE_SLACK, SharedPlans, banks, reused
+from sharedmem._routing.family import SCALE_SLACK, FamilyPlan, SharedPlans, banks, reused
 from sharedmem._routing.plan import (
     Fences,
     Recording,
@@ -238,6 +238,21 @@ def _make_in_1_mib(sequence: Recording, fences: Fences = ()) -> RoutePlan:
     return choose_plan(sequence, capacity=1 << 20, granularity=4096, fences=fences)
 
 
+def _plan_in_1_mib(
+    family: SharedPlans, sized: Recording, held: list[tuple[int, int]], outliving: list[int]
+) -> FamilyPlan:
+    """``family``'s plan of ``sized`` in a 1 MiB arena around the ``held`` loss (growing it
+    only while nothing is held)."""
+    return family.plan(
+        sized,
+        capacity=1 << 20,
+        fences=held,
+        grow=not held,
+        make=_make_in_1_mib,
+        outliving=outliving,
+    )
+
+
 def _disjoint(rec: Recording, plan: RoutePlan, fences: list[tuple[int, int]]) -> None:
     """No two allocations of ``rec`` live at one tick share a byte of ``plan`` (every placed
     one on the 64-byte grid, within ``plan.need``), nor any byte of ``fences``."""
@@ -273,14 +288,7 @@ def test_the_loss_held_from_the_last_call_takes_the_other_bank_not_another_plan(
             for i, n in enumerate(spread.sizes)
         ]
         sized = Recording(sizes, spread.alloc_at, spread.free_at)
-        got = family.plan(
-            sized,
-            capacity=1 << 20,
-            fences=held,
-            grow=not held,
-            make=_make_in_1_mib,
-            outliving=outliving,
-        )
+        got = _plan_in_1_mib(family, sized, held, outliving)
         _disjoint(sized, got.plan, held)
         loss = got.plan.offsets[-1]
         loss_at.append(loss)
@@ -324,14 +332,7 @@ def test_a_widened_envelope_keeps_its_plan_in_order_or_plans_anew(
         ]
         sized = Recording(sizes, spread.alloc_at, spread.free_at)
         before = family.scaled
-        got = family.plan(
-            sized,
-            capacity=1 << 20,
-            fences=held,
-            grow=not held,
-            make=_make_in_1_mib,
-            outliving=outliving,
-        )
+        got = _plan_in_1_mib(family, sized, held, outliving)
         _disjoint(sized, got.plan, held)
         assert got.plan.need <= got.need
         widest = np.maximum(widest, sizes)  # the envelope: each allocation's largest size

@@ -7,6 +7,7 @@ block made keeps its bytes for as long as it lives."""
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import random
 import warnings
@@ -239,6 +240,17 @@ def test_the_default_loops_gradients_live_in_the_arena_until_zero_grad_frees_the
             assert torch.equal(a, b), f"call {call}"
 
 
+def _train_leaving_a_gradient(pool: sm.BufferPool, grad_n: int, act_n: int) -> torch.Tensor:
+    # A training block that leaves ``grad_n`` bytes of "gradient" (all 2s) outliving it,
+    # beside ``act_n`` bytes of activations that die inside it.
+    with pool.step("train", torch.zeros(1)):
+        grad = torch.ones(grad_n, dtype=torch.uint8)  # outlives the block
+        act = torch.ones(act_n, dtype=torch.uint8)
+        grad += act[:1]
+        del act
+    return grad
+
+
 def test_an_evaluation_while_gradients_are_held_grows_the_arena_to_stay_at_eagers_peak() -> None:
     # A training block leaves 1 MiB of "gradients" in the arena (the user frees them before
     # the next step: the default loop), beside 256 KiB of activations. An evaluation while
@@ -249,13 +261,7 @@ def test_an_evaluation_while_gradients_are_held_grows_the_arena_to_stay_at_eager
     page = pool.granularity
     grad_n, act_n, temp_n = 1 << 20, 1 << 18, 1 << 19
 
-    def train() -> torch.Tensor:
-        with pool.step("train", torch.zeros(1)):
-            grad = torch.ones(grad_n, dtype=torch.uint8)  # outlives the block
-            act = torch.ones(act_n, dtype=torch.uint8)
-            grad += act[:1]
-            del act
-        return grad
+    train = functools.partial(_train_leaving_a_gradient, pool, grad_n, act_n)
 
     for _ in range(4):  # steady: the user frees the "gradients" before the next step
         grad = train()
@@ -297,13 +303,7 @@ def test_an_evaluations_first_call_while_gradients_are_held_is_served_past_the_a
     page = pool.granularity
     grad_n, act_n, temp_n = 1 << 20, 1 << 18, 1 << 19
 
-    def train() -> torch.Tensor:
-        with pool.step("train", torch.zeros(1)):
-            grad = torch.ones(grad_n, dtype=torch.uint8)  # outlives the block
-            act = torch.ones(act_n, dtype=torch.uint8)
-            grad += act[:1]
-            del act
-        return grad
+    train = functools.partial(_train_leaving_a_gradient, pool, grad_n, act_n)
 
     for _ in range(4):
         grad = train()
