@@ -53,7 +53,9 @@ def prepare_fsdp(model: nn.Module) -> nn.Module:
     A step without it still gives eager FSDP2's results, but its plan breaks whenever a
     collective's buffer outlives the step's next allocation, and is recorded anew.
     ``sm.pooled_train_step`` on an FSDP2 model calls it and runs the ``pool.step()`` block for
-    you (with a budget, in chunks and checkpointing units).
+    you (with a budget, in chunks and checkpointing units). Blocks compiled with the pool's
+    ``torch.compile`` backend and then sharded need it as well: a training step's span there
+    holds FSDP2's collectives between the compiled blocks.
 
     Args:
         model: the model, after ``fully_shard`` was applied to it (and its layers).
