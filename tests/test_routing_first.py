@@ -147,3 +147,24 @@ def test_a_traced_evaluation_with_gradients_held_is_planned_as_steady_on_its_fir
     assert pool.stats()["reserved_bytes"] <= trained
     for a, b in zip(eager.parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_a_first_calls_kernel_measurements_are_served_in_the_arenas_pages() -> None:
+    # The first call measures its kernels (zeros, results, scratch) before its arena is
+    # grown: served by PyTorch's allocator, they added to that call's peak by allocator
+    # events (DESIGN section 8: the events' running sum plus the pool's bytes after) what no
+    # step needs at once (ResNet-18: 1.152x eager's). Served from the arena's reserved pages,
+    # the whole first call, capture included, is at eager's peak.
+    from sharedmem.testing import allocator_peak
+
+    eager = _cnn()
+    model = copy.deepcopy(eager)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(model, F.cross_entropy, pool=pool)
+    expected = allocator_peak(lambda: F.cross_entropy(eager(x), y).backward())
+    measured = allocator_peak(lambda: step(x, y)) + pool.stats()["reserved_bytes"]
+    for a, b in zip(eager.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert measured <= expected + PAGE, (measured, expected, step.report())

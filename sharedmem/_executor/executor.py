@@ -28,6 +28,7 @@ from .._errors import SharedMemError
 from .._pool import BufferPool
 from .._routing import Route, choose_plan, routes_on
 from .._routing.family import SharedPlans
+from .._routing.kernels import measured_in
 from .._routing.plan import Recording
 from .._validate import check_name
 from .binding import Binding, Place, State
@@ -302,7 +303,10 @@ class Executor:
         routed = self._routed(outputs_in_pool)
         # A routed call's first run is planned before it runs, by the sequence the graph and
         # its measured kernels predict (``Route.predict``), and records the real one.
-        analysis = analyse(gm, self.device, measure=self.measure_kernels or not routed)
+        measure = self.measure_kernels or not routed
+        # Before the arena is grown for this graph: its kernels' zeros in the arena's pages.
+        with measured_in(self.pool, f"{self.prefix}0") if routed else nullcontext() as room:
+            analysis = analyse(gm, self.device, measure=measure)
         plan = self._plan(analysis, traced, outputs_in_pool, routed=routed)
         for name, nbytes in plan.slot_bytes.items():
             # Grow now, once: views fetched during a call then never see a growth.
@@ -332,7 +336,8 @@ class Executor:
             training = grad_ready is not None or self._trains
             route = Route(self.pool, f"{self.prefix}0", training=training)
             if plan.predicted is not None:
-                route.predict(plan.predicted)
+                grown_from = None if room is None else room.grown_from
+                route.predict(plan.predicted, captured_from=grown_from)
         return Compiled(
             runner,
             source,

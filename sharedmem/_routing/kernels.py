@@ -15,13 +15,20 @@ every other argument's value, and the thread count. Running it on zeros (its own
 nothing of the caller's) costs one call of that op; the answer is kept for the process.
 Ops that draw random numbers are never run (the caller's generator stays as it was), nor are
 views and pointwise ops (no scratch; results as their fake shape says).
+
+A step's first call measures its kernels before it runs, when its arena may not exist yet: one
+kernel's zeros, results and scratch, beside an arena grown just after, would add to that call's
+peak what no step needs at once. ``measured_in`` has them served from the pages the step's
+arena reserved instead (best fit, around what tensors hold there), and grows the arena over
+the highest byte they touched: bytes the step's plan then uses.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple, TypeGuard
 
 import torch
@@ -29,12 +36,14 @@ import torch.utils._pytree as pytree
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .._backends import round_up
 from .._devices import machine_available_bytes
 from .._layout import extent
+from .host import ArenaHost
 from .native import native
 from .plan import Recording
 
-__all__ = ["KernelMemory", "kernel_memory"]
+__all__ = ["KernelMemory", "kernel_memory", "measured_in"]
 
 
 class KernelMemory(NamedTuple):
@@ -63,6 +72,62 @@ _lock = threading.Lock()
 # beyond their result (a scalar read-out synchronizes; a copy writes its destination).
 _SKIP = frozenset({"_local_scalar_dense", "copy_", "lift_fresh", "lift_fresh_copy", "item"})
 _OPAQUE_ARGS = ("workspace", "reserve")
+
+
+class _Room:
+    """Where this thread's measurements are served (``measured_in``): an address range, a
+    tensor over the buffer that keeps its memory, and the highest offset they touched."""
+
+    def __init__(self, base: int, size: int, owner: torch.Tensor) -> None:
+        self.base, self.size, self.owner = base, size, owner
+        self.top = 0
+        # The buffer's bytes before it was grown over what the measurements touched (None:
+        # it was not): the first plan that runs in it gives back what it does not use.
+        self.grown_from: int | None = None
+
+
+_rooms = threading.local()
+
+
+@contextmanager
+def measured_in(host: ArenaHost, name: str) -> Iterator[_Room | None]:
+    """Kernels measured on this thread meanwhile are served from the address range the
+    buffer ``name`` of ``host`` reserved (best fit, around the tensors it holds), not by
+    PyTorch's allocator; afterwards the buffer is grown, in place, over the highest byte
+    they touched (the room yielded says from what: ``grown_from``). One kernel's zeros
+    copy its parameters too, which the step does not allocate, so the growth may pass what
+    the step's plan needs: its route gives that back when its plan first replays
+    (``Route.predict``). Only on a stable-address CPU host with the router loaded, and where
+    no tensor holds bytes of the buffer (gradients kept for an evaluation: a growth then is
+    a passing state's, planned and given back by its route); elsewhere (``None`` yielded)
+    they are measured beside it, as before."""
+    router = native()
+    base = host.arenas.base(name)
+    if (
+        router is None
+        or host.device != "cpu"
+        or not host.stable_address
+        or getattr(_rooms, "room", None) is not None
+        or (base is not None and router.live_bytes(base))
+    ):
+        yield None
+        return
+    capacity = host.device_capacity(name)
+    view = host.tensor(name, (max(capacity, host.granularity),), torch.uint8)
+    reach = host.in_place_room(name)
+    if reach <= 0:
+        yield None
+        return
+    host.arenas.served_from(name, view.data_ptr())
+    room = _rooms.room = _Room(view.data_ptr(), reach, view)
+    try:
+        yield room
+    finally:
+        _rooms.room = None
+    if room.top > host.device_capacity(name):
+        grown = host.tensor(name, (round_up(room.top, host.granularity),), torch.uint8)
+        host.arenas.served_from(name, grown.data_ptr())
+        room.grown_from = capacity
 
 
 def kernel_memory(
@@ -167,17 +232,36 @@ def _measure(
     def real(leaf: object) -> object:
         return _zeros_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
 
+    room: _Room | None = getattr(_rooms, "room", None)
+
+    def begin() -> None:
+        if room is None:
+            router.begin_record(0, 0)  # no arena: all of it PyTorch's
+        else:
+            router.begin_record(room.base, room.size, room.owner)
+
+    def end() -> Recording:
+        recording = Recording(*router.end_record())
+        if room is not None:
+            served = zip(recording.served_at, recording.sizes, strict=True)
+            room.top = max([room.top, *(at + size for at, size in served if at >= 0)])
+        return recording
+
     # Under the caller's grad mode: some kernels choose by it (an RNN keeps its workspace for
     # backward only with grad enabled); zeros need no grad, so nothing is recorded.
     with _disable_current_modes():
-        call_args, call_kwargs = pytree.tree_map(real, (list(args), kwargs))
-        router.begin_record(0, 0)  # no arena: all of it PyTorch's
+        begin()  # the zeros apart, so that the kernel's own recording holds only its own
+        try:
+            call_args, call_kwargs = pytree.tree_map(real, (list(args), kwargs))
+        finally:
+            end()
+        begin()
         try:
             out = func(*call_args, **call_kwargs)
         except Exception:  # a configuration zeros cannot run: not measured, modelled
-            router.end_record()
+            end()
             return None
-        recording = Recording(*router.end_record())
+        recording = end()
         results = tuple(
             leaf.untyped_storage().nbytes()
             for leaf in pytree.tree_leaves(out)

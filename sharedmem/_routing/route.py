@@ -179,6 +179,8 @@ class Route:
         # The arena's bytes before this route's first call grew it for a passing state
         # (``_guide``): its plan gives the growth back as a plan of that state does.
         self._grown_from: int | None = None
+        # The arena's bytes before measuring this route's kernels grew it (``predict``).
+        self._captured_from: int | None = None
 
     @contextmanager
     def scope(self) -> Iterator[None]:
@@ -248,6 +250,11 @@ class Route:
             if planned.passing_from is not None and lane == self._arena:
                 arenas.mark_passing(self._arena, id(self), planned.passing_from)
                 self._trim_passing(router, planned.plan.need)
+            if self._captured_from is not None and lane == self._arena:
+                # The measurements' growth (zeros of parameters the step does not copy):
+                # given back above what the plan and the other routes' use need.
+                self._trim_passing(router, max(planned.plan.need, self._captured_from))
+                self._captured_from = None
             router.begin_replay(planned.native, *place)
             frame = optimizer.enter(router)
             try:
@@ -369,14 +376,17 @@ class Route:
         self.plan = planned.plan
         return planned
 
-    def predict(self, recording: Recording) -> None:
+    def predict(self, recording: Recording, *, captured_from: int | None = None) -> None:
         """``recording``: the call's allocation sequence as its traced graph predicts it (its
         measured kernels' scratch included). The route's first call is planned by it before
         it runs (``_guide``): the arena grown to that plan's need, within the pool's limit,
         and the call served at the plan's places where it keeps to the
-        prediction, best fit in the arena where it does not."""
+        prediction, best fit in the arena where it does not. ``captured_from``: the arena's
+        bytes before measuring the kernels grew it (``kernels.measured_in``); the first
+        replay gives back what its plan does not use, down to those bytes."""
         with self._lock:
             self.predicted = recording
+            self._captured_from = captured_from
 
     def _guide(self, lane: str, fences: Fences) -> Any | None:
         """The router's plan of the predicted sequence for a recording call on ``lane``
