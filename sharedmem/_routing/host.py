@@ -88,7 +88,9 @@ class Arenas:
         with self._lock:
             keepers = self._keepers.setdefault(name, {})
             for span in spans:
-                if keepers.get(span) != owner:
+                # The ranges kept are disjoint (each one inserted drops those it overlaps):
+                # one kept at the very same range overlaps no other.
+                if span not in keepers:
                     low, high = span
                     for gone in [k for k in keepers if k[0] < high and low < k[1]]:
                         del keepers[gone]
