@@ -30,7 +30,10 @@ every length would find other fences, and plan again. So the small outliving all
 arena's start (``banks``), and the rest of the sequence is planned around both: a call whose
 fence is the previous call's bank takes the other, with the same plan of the rest. (The
 large ones, gradients of weights, are freed by ``zero_grad`` before the next call: planned
-with the rest.)
+with the rest.) A route gets both banks' plans of its size at once (``FamilyPlan.other``)
+and keeps them by the bank the fences leave free (``key``): a length that comes back finds
+the previous loss, its own or another length's, in either bank and replays, planning
+nothing.
 """
 
 from __future__ import annotations
