@@ -10,7 +10,8 @@ compared bit for bit and drift hits both alike. Figures:
 * the steady step: the median step time over the steps after the first 30, pooled against
   eager's median (target at most 1.05x);
 * the captures: the seconds the pooled step spent tracing and planning graphs over the run,
-  and how many graphs it traced (``stats()``: ``captures``, ``symbolic_captures``);
+  and how many graphs it traced (``stats()``: ``captures``, ``symbolic_captures``); how many
+  calls recorded their sequence, and how many planned one again (``replanned_calls``);
 * resident growth: each way alone in a fresh process, resident memory (``VmRSS``) at the
   end less before the first step (target: at most eager's growth + 32 MB).
 
@@ -179,6 +180,9 @@ def case(lengths: str, steps: int, progress: Progress | None, *, resident: bool)
         row(f"{lengths}: graphs traced", float(stats.get("captures", 0)), ""),
         row(f"{lengths}: of them symbolic", float(stats.get("symbolic_captures", 0)), ""),
         row(f"{lengths}: calls recorded", float(stats.get("recorded_calls", 0)), ""),
+        # a plan made again for a length that had one (held ranges or the arena changed); a
+        # new length's first plan is the family's, derived (``shared_plans``)
+        row(f"{lengths}: calls planned again", float(stats.get("replanned_calls", 0)), ""),
         row(f"{lengths}: every loss bit for bit eager's", float(same), "", ok=same),
     ]
     if resident:

@@ -17,7 +17,14 @@ from torch import nn
 
 import sharedmem as sm
 from sharedmem._executor.executor import derive, size_rule
-from sharedmem._routing.family import SCALE_SLACK, FamilyPlan, SharedPlans, banks, reused
+from sharedmem._routing.family import (
+    SCALE_SLACK,
+    FamilyPlan,
+    SharedPlans,
+    banks,
+    key,
+    reused,
+)
 from sharedmem._routing.plan import (
     Fences,
     Recording,
@@ -131,6 +138,22 @@ def test_a_new_length_reuses_the_plan_of_the_longest_so_far() -> None:
     new_lengths = len(lengths) - 2  # not the first graph's, nor the symbolic graph's first
     assert stats["derived_plans"] == new_lengths
     assert stats["shared_plans"] >= new_lengths - 3
+
+
+def test_a_repeated_length_replays_its_plan_whichever_bank_the_held_loss_is_in() -> None:
+    torch.manual_seed(6)
+    # Lengths that come back, never twice in a row: each call holds the previous call's loss
+    # (``got = step(x, y)``) in one of the family's two banks. A length's first call plans
+    # both banks' plans; a later call of it finds the held loss in either bank (its own
+    # bank's loss is another length's by then) and replays, with nothing planned again.
+    lengths = [5, 9, 13, 9, 13, 7, 9, 21, 7, 13, 9, 7, 13, 21, 9]
+    pool = run_both(TinyLM(), [(4, t) for t in lengths])
+    stats = pool.stats()
+    assert captures(pool) == (2, 1)
+    assert stats.get("diverged_calls", 0) == 0
+    assert stats.get("replanned_calls", 0) == 0
+    # every call served from the arena: the loss too (its first call's plan kept it there)
+    assert stats["recorded_calls"] + stats["replayed_calls"] == len(lengths)
 
 
 def test_a_changing_batch_size_joins_the_symbols_once() -> None:
@@ -302,6 +325,34 @@ def test_the_loss_held_from_the_last_call_takes_the_other_bank_not_another_plan(
     assert loss_at == [loss_at[0] + (bank if k % 2 else 0) for k in range(len(loss_at))]
     # a loss held in a bank is the family's steady state (its route may grow the arena)
     assert family.banked(held) and not family.banked([(2 * bank, 2 * bank + 4)])
+
+
+@given(recordings(), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4))
+def test_a_familys_plan_comes_with_the_other_banks_plan(
+    rec: Recording, scales: list[float]
+) -> None:
+    # A size's plan comes with ``other``: the very plan the family gives that size when the
+    # loss of this plan is held (the size's next call, its last loss held in this bank).
+    spread, outliving = _with_a_held_loss(rec)
+    family = SharedPlans()
+    held: list[tuple[int, int]] = []
+    for k, scale in enumerate([1.0, *scales]):
+        sizes = [
+            n if k == 0 or i == len(spread.sizes) - 1 else int(n * scale)
+            for i, n in enumerate(spread.sizes)
+        ]
+        sized = Recording(sizes, spread.alloc_at, spread.free_at)
+        got = _plan_in_1_mib(family, sized, held, outliving)
+        assert got.bank > 0 and got.other is not None
+        assert key(held, got.bank) == (got.which, ())
+        loss = got.plan.offsets[-1]
+        held = [(loss, loss + 4)]
+        assert key(held, got.bank) == (1 - got.which, ())
+        made = family.made
+        again = _plan_in_1_mib(family, sized, held, outliving)
+        assert family.made == made and again.reused
+        assert again.plan == got.other and again.which == 1 - got.which
+        _disjoint(sized, got.other, held)
 
 
 @given(

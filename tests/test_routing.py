@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import sharedmem as sm
-from sharedmem._routing import Recording, RoutePlan, choose_plan, native, plan_offsets
+from sharedmem._routing import Arenas, Recording, RoutePlan, choose_plan, native, plan_offsets
 from sharedmem._routing.family import SharedPlans
 from sharedmem._routing.plan import placeable
 from sharedmem.testing import allocator_peak
@@ -595,3 +595,21 @@ def test_installing_the_cuda_router_without_a_gpu_warns_and_routes_nothing() -> 
     from sharedmem._routing import cuda_router
 
     assert cuda_router() is None
+
+
+def test_a_range_kept_by_a_later_call_is_that_calls_not_the_first() -> None:
+    # Two sizes of a family put their loss in the same bank range, one after the other: at
+    # the first size's next call, the range held is the second size's loss (the first's
+    # was freed before the second was placed there), so the first must not take it for its
+    # own (it would leave its loss to PyTorch from then on, and plan again).
+    arenas = Arenas()
+    first, second = 1, 2
+    arenas.keep("a", [(0, 4), (64, 576)], first)
+    assert arenas.keeper("a", (0, 4)) == first
+    arenas.keep("a", [(0, 4)], second)
+    assert arenas.keeper("a", (0, 4)) == second
+    assert arenas.keeper("a", (64, 576)) == first
+    arenas.keep("a", [(128, 192)], second)  # overlaps the first's (64, 576): that one is gone
+    assert arenas.keeper("a", (64, 576)) is None
+    assert arenas.keeper("a", (128, 192)) == second
+    assert arenas.keeper("b", (0, 4)) is None  # per buffer

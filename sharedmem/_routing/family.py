@@ -30,7 +30,10 @@ every length would find other fences, and plan again. So the small outliving all
 arena's start (``banks``), and the rest of the sequence is planned around both: a call whose
 fence is the previous call's bank takes the other, with the same plan of the rest. (The
 large ones, gradients of weights, are freed by ``zero_grad`` before the next call: planned
-with the rest.)
+with the rest.) A route gets both banks' plans of its size at once (``FamilyPlan.other``)
+and keeps them by the bank the fences leave free (``key``): a length that comes back finds
+the previous loss, its own or another length's, in either bank and replays, planning
+nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import numpy as np
 
 from .plan import ALIGN, Fences, Recording, RoutePlan
 
-__all__ = ["FamilyPlan", "Make", "SharedPlans", "banks", "reused"]
+__all__ = ["FamilyPlan", "Make", "SharedPlans", "banks", "key", "reused"]
 
 PLANS_PER_FAMILY = 16  # envelope plans kept per family (least recent dropped)
 # A widened envelope takes its previous plan scaled (``_scaled``) where that needs at most
@@ -67,16 +70,25 @@ class _Envelope(NamedTuple):
     sizes: np.ndarray  # the envelope's sizes it was made for
     grown: bool  # made for a call that may grow the arena (else only within it)
     need: int  # the arena bytes the plans need (the most of theirs)
+    bank: int  # the bytes of each bank (0: no banks, one plan)
 
 
 class FamilyPlan(NamedTuple):
     """A route's plan from its family: the plan of its own sizes, the arena bytes the
     family's plan needs (what to grow the arena to: the envelope's), and whether it was
-    reused (the envelope covered the sizes) rather than made."""
+    reused (the envelope covered the sizes) rather than made.
+
+    Where the plan has banks (``bank``: the bytes of each), ``which`` is the bank it
+    places the small outliving allocations in, and ``other`` the same sizes' plan with
+    them in the other bank: what the route's next call takes where it finds this call's
+    outliving allocations still held (the previous loss), with the same fences beside."""
 
     plan: RoutePlan
     need: int
     reused: bool
+    bank: int = 0
+    which: int = -1
+    other: RoutePlan | None = None
 
 
 class SharedPlans:
@@ -141,8 +153,7 @@ class SharedPlans:
                 and bool(np.all(sizes <= found.sizes))
             ):
                 self._plans.move_to_end(key)
-                chosen = found.plans[max(which, 0)]
-                return FamilyPlan(_reused(sizes, arrays, chosen), found.need, True)
+                return _both(sizes, arrays, found, which, True)
             self._envelopes[ticks] = widest
         whole = Recording(widest.tolist(), recording.alloc_at, recording.free_at)
         scaled = None
@@ -167,16 +178,17 @@ class SharedPlans:
                 reused(whole, _in_bank(around, kept, widest, start)) for start in (0, bank)
             )
         need = max(p.need for p in plans)
+        made = _Envelope(plans, widest, grow, need, bank if len(plans) == 2 else 0)
         with self._lock:
             if scaled is None:
                 self.made += 1
             else:
                 self.scaled += 1
-            self._plans[key] = _Envelope(plans, widest, grow, need)
+            self._plans[key] = made
             self._plans.move_to_end(key)
             while len(self._plans) > PLANS_PER_FAMILY:
                 self._plans.popitem(last=False)
-        return FamilyPlan(_reused(sizes, arrays, plans[max(which, 0)]), need, False)
+        return _both(sizes, arrays, made, which, False)
 
     def banked(self, fences: Fences) -> bool:
         """Whether every range of ``fences`` lies in the banks of the latest plan: what the
@@ -215,6 +227,39 @@ def banks(sizes: np.ndarray, outliving: Collection[int], capacity: int) -> tuple
     if not total or total > BANK_BYTES or 2 * total > capacity:
         return [], 0
     return at, total
+
+
+def _both(
+    sizes: np.ndarray, arrays: _Arrays, envelope: _Envelope, which: int, reused: bool
+) -> FamilyPlan:
+    # The plan of ``sizes`` from ``envelope``, in bank ``which``, with the other bank's.
+    plan = _reused(sizes, arrays, envelope.plans[max(which, 0)])
+    if which < 0 or not envelope.bank:
+        return FamilyPlan(plan, envelope.need, reused)
+    # The other bank's plan differs only in where the bank allocations sit (below both banks'
+    # end): its figures are this plan's, its need too where the rest reaches past the banks.
+    offsets = envelope.plans[1 - which].offsets
+    other = (
+        dataclasses.replace(plan, offsets=offsets)
+        if plan.need > 2 * envelope.bank
+        else _reused(sizes, arrays, envelope.plans[1 - which])
+    )
+    return FamilyPlan(plan, envelope.need, reused, envelope.bank, which, other)
+
+
+def key(fences: Fences, bank: int) -> tuple[int, Fences]:
+    """What a plan of a family with banks of ``bank`` bytes each depends on in ``fences``:
+    the bank they leave free (the first where both are) and the fences beside the banks;
+    ``-1`` and ``fences`` themselves where neither bank is free (or there are no banks).
+
+    Example::
+
+        >>> from sharedmem._routing.family import key
+        >>> key(((0, 4),), 192), key(((192, 196),), 192), key(((0, 4), (200, 264)), 192)
+        ((1, ()), (0, ()), (-1, ((0, 4), (200, 264))))
+    """
+    which, rest = _bank(fences, bank)
+    return which, tuple(rest)
 
 
 def _bank(fences: Fences, bank: int) -> tuple[int, list[tuple[int, int]]]:

@@ -9,6 +9,7 @@ so that no table keyed by pool lives in a module.
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from typing import Protocol
 
 import torch
@@ -37,6 +38,9 @@ class Arenas:
         self.planned: set[str] = set()  # arena prefixes a traced graph was planned for
         self._bases: dict[str, int] = {}  # arena buffer -> its address when last served
         self._held: set[str] = set()  # arena buffers an open step serves from
+        # per arena buffer: the ranges calls left outliving tensors in, each with the route
+        # (its ``id``) whose call was the latest to leave one there
+        self._keepers: dict[str, dict[tuple[int, int], int]] = {}
 
     def lease(self, arena: str) -> str:
         """The buffer a step opening now serves from: ``arena`` itself, or where another
@@ -76,6 +80,26 @@ class Arenas:
         allocations are keyed by address)."""
         with self._lock:
             self._bases[name] = base
+
+    def keep(self, name: str, spans: Collection[tuple[int, int]], owner: int) -> None:
+        """A call of the route ``owner`` (its ``id``) ended leaving outliving tensors at
+        ``spans`` (offsets) of the buffer ``name``: any range of another call's they overlap
+        was free by then."""
+        with self._lock:
+            keepers = self._keepers.setdefault(name, {})
+            for span in spans:
+                # The ranges kept are disjoint (each one inserted drops those it overlaps):
+                # one kept at the very same range overlaps no other.
+                if span not in keepers:
+                    low, high = span
+                    for gone in [k for k in keepers if k[0] < high and low < k[1]]:
+                        del keepers[gone]
+                keepers[span] = owner
+
+    def keeper(self, name: str, span: tuple[int, int]) -> int | None:
+        """The route whose call was the latest to leave an outliving tensor at ``span`` of
+        the buffer ``name`` (``None``: none did)."""
+        return self._keepers.get(name, {}).get(span)
 
     def base(self, name: str) -> int | None:
         """Where the buffer ``name`` was when a call last served from it (``None``: never)."""

@@ -69,7 +69,7 @@ from .._backends import cuda_torch_ops, round_up
 from .._errors import OutOfMemoryError
 from . import optimizer
 from .cuda_native import cuda_router
-from .family import SharedPlans
+from .family import FamilyPlan, SharedPlans, key
 from .host import ArenaHost
 from .native import loaded, native, would_load
 from .plan import Fences, Recording, RoutePlan, choose_plan, placeable, plan_offsets
@@ -85,6 +85,8 @@ COUNTERS = (
     "recorded_calls",  # calls that recorded their sequence (inside the arena, best fit)
     "replayed_calls",  # calls served by a plan
     "replanned_calls",  # calls that planned a recording again (fences or capacity changed)
+    # (a derived sequence's first plan, a new length's, is not one: ``shared_plans`` counts
+    # it where the family's plan served it)
     "shared_plans",  # plans of one size taken from another's (a symbolic graph's family)
     "diverged_calls",  # replays that left their plan part way
 )
@@ -164,7 +166,9 @@ class Route:
         # was served by such a plan.
         self.predicted: Recording | None = None
         self.guided = False
-        self._plans: OrderedDict[Fences, _Planned] = OrderedDict()
+        # Per set of fences (a family's: per bank left free and the fences beside, ``_key``).
+        self._plans: OrderedDict[tuple[int, Fences], _Planned] = OrderedDict()
+        self._bank = 0  # the bytes of each bank of this route's family plans (0: none)
         self._redo = False  # the next call records anew
         self.last: dict[str, int] = {}  # the counts of the latest replay
         self.added_bytes = 0  # what planning this route grew the arena by
@@ -268,7 +272,7 @@ class Route:
                 arena = self._host.device_capacity(lane)
                 self.last_peak = CallPeak(arena, beside, False, on_plan)
                 with self._lock:
-                    self._account(counts, planned.plan)
+                    self._account(counts, planned.plan, lane)
                     if frame.suspended:
                         self._redo = True
         finally:
@@ -348,14 +352,27 @@ class Route:
         fits them), or ``None``: the call records (the caller holds the lock)."""
         if self.recording is None or self._redo:
             return None
-        held = {i for span, i in self._kept.items() if span in fences}
+        # This route's own outliving tensors of its latest call, still held: only where no
+        # other call left one at the same range since (another size's loss in the same bank).
+        arenas = self._host.arenas
+        held = {
+            i
+            for span, i in self._kept.items()
+            if span in fences and arenas.keeper(lane, span) == id(self)
+        }
         self._kept = {}
         if not held <= self._held:  # kept by the user past this call's start: left out now
             self._held |= held
             self._plans.clear()
         capacity = self._capacity()
-        planned = self._plans.get(fences)
-        if planned is None or capacity > planned.capacity:
+        at = self._key(fences)
+        planned = self._plans.get(at)
+        # A family's plan still fits an arena another size grew (its need is the envelope's):
+        # made again only where it left allocations beside the arena that the room now holds.
+        grown = planned is not None and capacity > planned.capacity
+        if grown and self.family is not None and planned is not None:
+            grown = planned.plan.beside_bytes > 0 or planned.plan.beside_peak > 0
+        if planned is None or grown:
             # Only a plan over an arena no tensor holds may grow it (where that lowers the
             # step's peak): bytes the user holds there (gradients during accumulation or an
             # evaluation) are a passing state, and an arena grown for it would stay above
@@ -369,12 +386,21 @@ class Route:
                 or self.optimizer
                 or (self.family is not None and self.family.banked(fences))
             )
+            again = self.plan is not None  # else a derived sequence's first plan
             planned = self._adopt(self.recording, lane, fences, grow=grow)
-            self._host.count("replanned_calls", 1)
+            if again:
+                self._host.count("replanned_calls", 1)
         else:
-            self._plans.move_to_end(fences)
+            self._plans.move_to_end(at)
         self.plan = planned.plan
         return planned
+
+    def _key(self, fences: Fences) -> tuple[int, Fences]:
+        """What this route's plans are kept by: ``-1`` and ``fences``; for a family's plans
+        with banks, the bank they leave free and the fences beside the banks (``key``): a call
+        that finds the previous call's loss in either bank takes that bank's plan, made
+        with the other's when this route was first planned."""
+        return key(fences, self._bank)
 
     def predict(self, recording: Recording, *, captured_from: int | None = None) -> None:
         """``recording``: the call's allocation sequence as its traced graph predicts it (its
@@ -474,6 +500,7 @@ class Route:
                     kept[(at, at + size)] = i
             elif free >= 0:
                 dying += size
+        host.arenas.keep(lane, kept, id(self))
         host.count("recorded_calls", 1)
         host.count("arena_served_bytes", served)
         host.count("arena_fallback_bytes", dying)
@@ -554,6 +581,7 @@ class Route:
                 fences=around,
             )
 
+        shared: FamilyPlan | None = None
         if self.family is None:
             plan = make(spread)
             need = plan.need
@@ -568,6 +596,7 @@ class Route:
                 ceiling=ceiling,
             )
             plan, need = shared.plan, shared.need
+            self._bank = shared.bank
             if shared.reused:
                 host.count("shared_plans", 1)
         if need and lane == self._arena and now:  # its base too: inputs are unaliased
@@ -592,10 +621,23 @@ class Route:
         assert module is not None, "a route is planned only where a router runs"
         base = before if self._grown_from is None else min(before, self._grown_from)
         passing_from = base if not grow and need > base else None
-        planned = _Planned(
-            plan, module.Plan(list(recording.sizes), offsets, outlives), covers, passing_from
-        )
-        self._plans[fences] = planned
+        sizes = list(recording.sizes)
+        planned = _Planned(plan, module.Plan(sizes, offsets, outlives), covers, passing_from)
+        at = self._key(fences)
+        if shared is not None and shared.other is not None and plan is shared.plan:
+            # Both banks at once: the next call of this size finds this call's loss held in
+            # one bank and takes the plan of the other, without planning.
+            which, rest = at
+            if which == shared.which:
+                other = [
+                    o if o >= 0 else (-1 if f < 0 else -2)
+                    for o, f in zip(shared.other.offsets, recording.free_at, strict=True)
+                ]
+                self._plans[(1 - which, rest)] = _Planned(
+                    shared.other, module.Plan(sizes, other, outlives), covers, passing_from
+                )
+        self._plans[at] = planned
+        self._plans.move_to_end(at)
         while len(self._plans) > PLANS_PER_ROUTE:
             self._plans.popitem(last=False)
         return planned
@@ -636,9 +678,9 @@ class Route:
         limit = limit if room is None else min(limit, room)
         return max(capacity, limit // host.granularity * host.granularity)
 
-    def _account(self, counts: dict[str, int], plan: RoutePlan) -> None:
-        """A replay of ``plan`` ended with the router's ``counts`` (the caller holds the
-        lock)."""
+    def _account(self, counts: dict[str, int], plan: RoutePlan, lane: str) -> None:
+        """A replay of ``plan`` on ``lane`` ended with the router's ``counts`` (the caller
+        holds the lock)."""
         self.last = counts
         host = self._host
         host.count("replayed_calls", 1)
@@ -655,6 +697,7 @@ class Route:
                 for i, (o, f) in enumerate(zip(plan.offsets, recording.free_at, strict=True))
                 if o >= 0 and f < 0
             }
+            host.arenas.keep(lane, self._kept, id(self))
         if counts["diverged_at"] >= 0:
             host.count("diverged_calls", 1)
         if escaped > 0:
