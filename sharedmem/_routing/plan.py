@@ -46,6 +46,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .pack import lowest_packing
+
 __all__ = [
     "Fences",
     "Recording",
@@ -60,6 +62,8 @@ ALIGN = 64  # every planned address is a multiple of this: any dtype and vector 
 _ALWAYS = 1 << 62  # a fence's end tick: after every tick of any step
 _TRIES = 64  # the most random orders a packing tries (``plan_offsets``)
 _WORK = 2048  # ... and at most this many placements in all
+_EXACT_STEPS = 4000  # the most placements the exact search tries (``plan_offsets``)
+_EXACT_MOST = 4000  # ... on steps of at most this many allocations (it holds n^2 bits)
 
 
 class Recording(NamedTuple):
@@ -251,8 +255,49 @@ def plan_offsets(
         need = cost(offsets, need)
         if need < best_need:
             best, best_need = offsets, need
+    # Still above max-live: the exact search (``pack.lowest_packing``), bounded.
+    if best_need > bound and 0 < len(candidates) <= _EXACT_MOST:
+        upper = best_need if ceiling is None else min(best_need, ceiling + 1)
+        exact = _exact(recording, candidates, aligned, fences, upper)
+        if exact is not None:
+            best, best_need = exact
     assert best is not None
     return _described(recording, best)
+
+
+def _exact(
+    recording: Recording,
+    candidates: list[int],
+    aligned: list[int],
+    fences: Fences,
+    upper: int,
+) -> tuple[list[int], int] | None:
+    # Every candidate packed by the exact search below ``upper`` bytes, around the fences
+    # (allocations fixed at their offsets, live at every tick), and the arena it needs.
+    starts, ends = recording.alloc_at, recording.free_at
+    first = min(starts[i] for i in candidates) - 1
+    last = max(ends[i] for i in candidates) + 1
+    held: list[list[int]] = []  # the fences in whole ``ALIGN`` units, merged where they meet
+    for low, high in sorted(_aligned(fences)):
+        if held and low <= held[-1][1]:
+            held[-1][1] = max(held[-1][1], high)
+        elif high > low:
+            held.append([low, high])
+    found, _ = lowest_packing(
+        [aligned[i] for i in candidates] + [high - low for low, high in held],
+        [starts[i] for i in candidates] + [first] * len(held),
+        [ends[i] for i in candidates] + [last] * len(held),
+        upper=upper,
+        unit=ALIGN,
+        fixed=[-1] * len(candidates) + [low for low, _ in held],
+        steps=_EXACT_STEPS,
+    )
+    if found is None:
+        return None
+    offsets = [-1] * len(recording.sizes)
+    for i, offset in zip(candidates, found, strict=False):
+        offsets[i] = offset
+    return offsets, max(offsets[i] + aligned[i] for i in candidates)
 
 
 def reuse_offsets(recording: Recording, plan: RoutePlan) -> RoutePlan:
