@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["PREORDERS", "lowest_packing", "pack_under"]
+__all__ = ["PREORDERS", "lifted", "lowest_packing", "merged", "pack_under"]
 
 
 _NESTING = 100  # the most parts solved one inside another (each a Python frame)
@@ -97,14 +97,24 @@ def lowest_packing(
         >>> lowest_packing([2, 2, 4], [0, 0, 2], [2, 2, 4], upper=8)
         ([0, 2, 0], 4)
     """
-    if not sizes:
-        return [], 0
-    size = np.asarray(sizes, dtype=np.int64)
-    events = np.zeros(max([*starts, *ends]) - min(starts) + 2, dtype=np.int64)
-    first_tick = min(starts)
-    np.add.at(events, np.asarray(starts) - first_tick, size)
-    np.subtract.at(events, np.asarray(ends) - first_tick, size)
-    low = int(np.cumsum(events).max())  # max-live: the lower bound
+    free = [i for i in range(len(sizes)) if not fixed or fixed[i] < 0]
+    if not free:
+        return list(fixed), 0
+    size = np.asarray([sizes[i] for i in free], dtype=np.int64)
+    start = np.asarray([starts[i] for i in free], dtype=np.int64)
+    end = np.asarray([ends[i] for i in free], dtype=np.int64)
+    first, last = int(start.min()), int(end.max())
+    events = np.zeros(last - first + 2, dtype=np.int64)
+    np.add.at(events, start - first, size)
+    np.subtract.at(events, end - first, size)
+    low = int(np.cumsum(events).max())  # max-live: no packing is lower
+    # ... nor below the fixed allocations live at every tick: only the room between them.
+    spans = sorted(
+        (fixed[i], fixed[i] + sizes[i])
+        for i in range(len(sizes))
+        if fixed and fixed[i] >= 0 and starts[i] <= first and last <= ends[i]
+    )
+    low = lifted(low, spans)
     high = upper - 1  # the heights left to try: [low, high]
     best: list[int] | None = None
     best_height = upper
@@ -116,12 +126,40 @@ def lowest_packing(
         spent += used
         if found is not None:
             best = found
-            best_height = max(o + s for o, s in zip(found, sizes, strict=True))
+            best_height = max(found[i] + sizes[i] for i in free)
             high = best_height - 1
         else:
             low = height + 1
         height = min(high, low + (high - low) // 2 // unit * unit)
     return best, best_height
+
+
+def lifted(height: int, spans: Sequence[tuple[int, int]]) -> int:
+    """The lowest top at which ``height`` bytes of room are free below it, around the byte
+    ranges ``spans`` (held; they may overlap).
+
+    Example::
+
+        >>> from sharedmem._routing.pack import lifted
+        >>> lifted(100, [(50, 200), (180, 260), (400, 500)])
+        310
+    """
+    for low, high in merged(spans):
+        if low >= height:
+            break
+        height += high - low
+    return height
+
+
+def merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte ranges ``spans`` sorted, those that overlap or meet made one."""
+    merged: list[list[int]] = []
+    for low, high in sorted(spans):
+        if merged and low <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], high)
+        elif high > low:
+            merged.append([low, high])
+    return [(low, high) for low, high in merged]
 
 
 def _pack_under(
@@ -136,12 +174,19 @@ def _pack_under(
     # node limit that doubles every round (a preorder that suits the instance finds a
     # packing in about one placement per allocation); a search that ends within its limit
     # is complete: it found a packing, or proved there is none.
-    n = len(sizes)
-    if n == 0:
-        return [], 0
+    # Fixed allocations at or above ``height`` are out of the way; those that reach past it
+    # are cut at it.
+    keep = [i for i in range(len(sizes)) if not fixed or fixed[i] < height]
+    if not keep:
+        return list(fixed), 0
+    sub_fixed = [fixed[i] for i in keep] if fixed else []
+    sub_sizes = [
+        sizes[i] if not fixed or fixed[i] < 0 else min(sizes[i], height - fixed[i]) for i in keep
+    ]
+    sub_starts, sub_ends = [starts[i] for i in keep], [ends[i] for i in keep]
     spent = 0
-    limit = max(2 * n, 64)
-    first = _Search(sizes, starts, ends, height, fixed, PREORDERS[0])
+    limit = max(2 * len(keep), 64)
+    first = _Search(sub_sizes, sub_starts, sub_ends, height, sub_fixed, PREORDERS[0])
     searches = [first] + [first.reordered(order) for order in PREORDERS[1:]]
     while True:
         for search in searches:
@@ -154,7 +199,13 @@ def _pack_under(
             except _OutOfSteps:
                 spent += cap
                 continue
-            return found, spent + search.nodes
+            spent += search.nodes
+            if found is None:
+                return None, spent
+            offsets = list(fixed) if fixed else [-1] * len(sizes)
+            for i, offset in zip(keep, found, strict=True):
+                offsets[i] = offset
+            return offsets, spent
         limit *= 2
 
 

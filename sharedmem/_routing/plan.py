@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .pack import lowest_packing
+from .pack import lifted, lowest_packing, merged
 
 __all__ = [
     "Fences",
@@ -62,7 +62,8 @@ ALIGN = 64  # every planned address is a multiple of this: any dtype and vector 
 _ALWAYS = 1 << 62  # a fence's end tick: after every tick of any step
 _TRIES = 64  # the most random orders a packing tries (``plan_offsets``)
 _WORK = 2048  # ... and at most this many placements in all
-_EXACT_STEPS = 4000  # the most placements the exact search tries (``plan_offsets``)
+_EXACT_STEPS = 4000  # the most placements the exact search tries (``plan_offsets``) ...
+_EXACT_EACH = 4  # ... and at most this many per allocation, and 256
 _EXACT_MOST = 4000  # ... on steps of at most this many allocations (it holds n^2 bits)
 
 
@@ -244,6 +245,7 @@ def plan_offsets(
         [starts[i] for i in candidates],
         [ends[i] for i in candidates],
     )
+    bound = lifted(bound, _aligned(fences))  # nor below the fences in its way
     draw = random.Random(len(candidates))
     for attempt in range(min(_TRIES, _WORK // max(1, len(candidates)))):
         if best_need <= bound:
@@ -256,8 +258,10 @@ def plan_offsets(
         if need < best_need:
             best, best_need = offsets, need
     # Still above max-live: the exact search (``pack.lowest_packing``), bounded.
+    # At the same peak, a packing of everything serves more than one that leaves some out.
     if best_need > bound and 0 < len(candidates) <= _EXACT_MOST:
-        upper = best_need if ceiling is None else min(best_need, ceiling + 1)
+        upper = best_need + any(best[i] < 0 for i in candidates)
+        upper = upper if ceiling is None else min(upper, ceiling + 1)
         exact = _exact(recording, candidates, aligned, fences, upper)
         if exact is not None:
             best, best_need = exact
@@ -277,12 +281,7 @@ def _exact(
     starts, ends = recording.alloc_at, recording.free_at
     first = min(starts[i] for i in candidates) - 1
     last = max(ends[i] for i in candidates) + 1
-    held: list[list[int]] = []  # the fences in whole ``ALIGN`` units, merged where they meet
-    for low, high in sorted(_aligned(fences)):
-        if held and low <= held[-1][1]:
-            held[-1][1] = max(held[-1][1], high)
-        elif high > low:
-            held.append([low, high])
+    held = merged(_aligned(fences))  # in whole ``ALIGN`` units, merged where they meet
     found, _ = lowest_packing(
         [aligned[i] for i in candidates] + [high - low for low, high in held],
         [starts[i] for i in candidates] + [first] * len(held),
@@ -290,7 +289,7 @@ def _exact(
         upper=upper,
         unit=ALIGN,
         fixed=[-1] * len(candidates) + [low for low, _ in held],
-        steps=_EXACT_STEPS,
+        steps=min(_EXACT_STEPS, _EXACT_EACH * len(candidates) + 256),
     )
     if found is None:
         return None
