@@ -257,15 +257,15 @@ def plan_offsets(
         need = cost(offsets, need)
         if need < best_need:
             best, best_need = offsets, need
-    # Still above max-live: the exact search (``pack.lowest_packing``), bounded.
-    # At the same peak, a packing of everything serves more than one that leaves some out.
+    assert best is not None
+    # Still above max-live: the exact search (``pack.lowest_packing``), bounded. At the same
+    # peak, a packing of everything serves more than one that leaves some out.
     if best_need > bound and 0 < len(candidates) <= _EXACT_MOST:
         upper = best_need + any(best[i] < 0 for i in candidates)
         upper = upper if ceiling is None else min(upper, ceiling + 1)
         exact = _exact(recording, candidates, aligned, fences, upper)
         if exact is not None:
             best, best_need = exact
-    assert best is not None
     return _described(recording, best)
 
 
