@@ -37,6 +37,7 @@ import numpy as np
 __all__ = ["PREORDERS", "lifted", "lowest_packing", "merged", "pack_under"]
 
 
+_CELLS = 1 << 18  # the most (allocation, section) pairs one placement's inference reads
 _NESTING = 100  # the most parts solved one inside another (each a Python frame)
 
 
@@ -409,16 +410,18 @@ class _Search:
         if not (np.maximum(floor, offset) + total <= self.height).all():
             return record, False
         if bumped.size:  # no section's floor below the lowest offset left to place in it
-            # Only the sections of the allocations bumped, and of ``i``, may change.
+            # Only the sections of the allocations bumped, and of ``i``, may change; skipped
+            # where they are too many to check cheaply (a weaker bound, never a wrong one).
             a = max(low, min(lo, int(self.lo[bumped].min())))
             b = min(high, max(hi, int(self.hi[bumped].max())))
             unplaced = members[~self.placed[members]]
             unplaced = unplaced[(self.lo[unplaced] < b) & (a < self.hi[unplaced])]
-            lows = np.where(
-                self.member[unplaced, a:b], self.min_off[unplaced][:, None], self.height
-            ).min(0, initial=self.height)
-            if not (np.maximum(self.floor[a:b], lows) + self.total[a:b] <= self.height).all():
-                return record, False
+            if unplaced.size * (b - a) <= _CELLS:
+                lows = np.where(
+                    self.member[unplaced, a:b], self.min_off[unplaced][:, None], self.height
+                ).min(0, initial=self.height)
+                if not (np.maximum(self.floor[a:b], lows) + self.total[a:b] <= self.height).all():
+                    return record, False
         return record, True
 
     def _undo(self, record: tuple[int, np.ndarray, np.ndarray, np.ndarray, bool]) -> bool:
