@@ -11,19 +11,25 @@ packings: each step places one unplaced allocation at its lowest feasible offset
 top among placed allocations that share a tick), in non-decreasing order of offsets. It prunes:
 
 - *section inference*: time cut into sections (between consecutive start or end ticks), no
-  section may hold more than the height: its floor (the highest top placed in it, and no less
-  than the offset of the last placement, since offsets only grow) plus the bytes still to place
-  in it;
+  section may hold more than the height: its floor (the highest top placed in it, no less than
+  the offset of the last placement, since offsets only grow, nor than the lowest offset any
+  allocation still to place in it can take) plus the bytes still to place in it;
 - *dominance*: an allocation whose lowest offset is at or above the top some other unplaced
   allocation could reach is not placed next (that one fits in the gap below it first);
 - *hatless pruning*: where the allocation placed shares a tick with no unplaced allocation, no
-  alternative to it is tried (nothing above it depends on its choice).
+  alternative to it is tried (nothing above it depends on its choice);
+- *decomposition*: where no unplaced allocation crosses a section boundary, the two sides are
+  solved on their own (a failure on one side never undoes the other's choices).
 
-Fixed allocations (``fixed[i] >= 0``: a fence, bytes another tensor holds all step) must land at
-exactly their offset. The search is bounded by a number of nodes (placements tried): it returns
-a packing, ``None`` where it proved there is none, or raises ``_OutOfSteps`` where the budget ran
-out first. The dynamic orders follow MiniMalloc's static preorders ("WAT", "TAW", "TWA": widest
-lifetime, largest area, largest section total first, in turn), each with a growing node limit.
+Fixed allocations (``fixed[i] >= 0``: a fence, bytes another tensor holds all step) land at
+exactly their offset. The search is bounded by a number of placements tried ("steps"): it
+returns a packing, or ``None`` where it proved there is none or ran out of steps. Each search
+follows a static preorder (the tie-break among allocations of the same lowest offset); the
+preorders take turns, each with a node limit that doubles every round: live to the step's end
+first, then earliest made, then largest area (``KLA``: gradients in the order backward makes
+them, the activations in the order forward does; ResNet-18's default loop packs at max-live
+in 541 placements), then MiniMalloc's ``WAT``, ``TAW``, ``TWA`` (widest lifetime, largest area,
+largest section total first, in turn).
 """
 
 from __future__ import annotations
@@ -284,11 +290,8 @@ class _Search:
             "W": -width,
             "A": -area,
             "T": -most,
-            "Z": -self.size,
-            "K": (end != last).astype(np.int64),  # live to the end first
-            "L": start,  # earliest first
-            "U": -end,  # latest end first
-            "E": end,  # earliest end first
+            "K": (end != last).astype(np.int64),  # live to the step's end first
+            "L": start,  # earliest made first
         }
         order = np.lexsort([keys[c] for c in reversed(heuristic)])
         self.rank = np.empty(len(order), dtype=np.int64)
