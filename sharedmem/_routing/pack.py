@@ -128,7 +128,10 @@ def lowest_packing(
     spent = 0
     height = low
     while low <= high and spent < steps:
-        share = steps - spent if height == high else max(1, (steps - spent) // 2)
+        # Three quarters of the steps for max-live (a packing there is the one that matters:
+        # the step is then served whole at the allocator's peak), half of the rest then.
+        left = steps - spent
+        share = left if height == high else max(1, left * 3 // 4 if not spent else left // 2)
         found, used = _pack_under(sizes, starts, ends, height, fixed, share)
         spent += used
         if found is not None:

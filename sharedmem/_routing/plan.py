@@ -65,7 +65,7 @@ ALIGN = 64  # every planned address is a multiple of this: any dtype and vector 
 _ALWAYS = 1 << 62  # a fence's end tick: after every tick of any step
 _TRIES = 64  # the most random orders a packing tries (``plan_offsets``)
 _WORK = 2048  # ... and at most this many placements in all
-_EXACT_STEPS = 4000  # the most placements the exact search tries (``plan_offsets``) ...
+_EXACT_STEPS = 8000  # the most placements the exact search tries (``plan_offsets``) ...
 _EXACT_EACH = 4  # ... and at most this many per allocation, and 256
 _EXACT_MOST = 4000  # ... on steps of at most this many allocations (it holds n^2 bits)
 
