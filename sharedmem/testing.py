@@ -41,10 +41,11 @@ def allocator_peak(step: Callable[[], object]) -> int:
 
 
 def memory_timeline(prof: profile) -> list[int]:
-    """The allocator's events of a finished ``profile(profile_memory=True, record_shapes=True,
-    with_stack=True)``, as signed byte counts in time order: exactly the CREATE and DESTROY
-    entries of the profiler's memory timeline (``prof._memory_profile().timeline``), in its
-    order, without the data-flow graph it builds to tell their categories apart.
+    """The allocator's events of a finished ``profile(profile_memory=True, record_shapes=True)``,
+    as signed byte counts in time order: exactly the CREATE and DESTROY entries of the
+    profiler's memory timeline (``prof._memory_profile().timeline``, which needs
+    ``with_stack=True`` too), in its order, without the data-flow graph it builds to tell
+    their categories apart.
 
     The timeline keys an event by its tensor's identity where the profiler recorded one (an
     allocation a recorded op's inputs reveal; ``record_shapes`` records them): each such
@@ -52,6 +53,10 @@ def memory_timeline(prof: profile) -> list[int]:
     event without one is keyed by its address, read in the event tree's depth-first order: an
     allocation at an address already live there is no CREATE, a free always a DESTROY. Ties
     in time put CREATE before DESTROY.
+
+    ``with_stack`` adds Python frames to the tree around the ops of their thread: the
+    depth-first order of one thread's events is their time order with or without them, so
+    on one thread's events (every step the tests measure) the result is the same either way.
     """
     from torch._C._profiler import _EventType, _ExtraFields_Allocation
 
