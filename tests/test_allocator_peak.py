@@ -1,12 +1,13 @@
 """sharedmem.testing.allocator_peak: the figure of PyTorch's memory timeline, read without it.
 
-``allocator_peak`` reads the allocator's events in one pass over the profiler's event tree;
-the reference is the timeline PyTorch builds from the same profile
+``allocator_peak`` reads the allocator's events in one pass over the event tree of a profile
+without Python frames; the reference is the timeline PyTorch builds from a profile with them
 (``prof._memory_profile().timeline``, its CREATE and DESTROY entries in order), which builds
 a data-flow graph of every op first. On random programs (allocations, views, in-place and
-out-of-place ops, an op's own scratch, tensors from before the profile freed
-in it, autograd, another thread's allocations) the two give the same events in the same
-order, and so the same peak.
+out-of-place ops, an op's own scratch, tensors from before the profile freed in it,
+autograd, another thread's allocations) the two give the same events in the same order, and
+so the same peak: read from the same profile, and from the same program run again without
+the Python frames.
 """
 
 from __future__ import annotations
@@ -134,9 +135,11 @@ def test_the_timeline_events_are_pytorchs_on_random_programs(seed: int) -> None:
     for i in range(PROGRAMS):
         program_seed = draw.randrange(2**31)
         what = f"seed {seed}, program {i} (random.Random({program_seed}))"
-        want = reference(profiled(program_seed, with_stack=True))
+        prof = profiled(program_seed, with_stack=True)
+        want = reference(prof)
         # From the profile the timeline reads, and from one without the Python frames (as
         # allocator_peak records it) of the same program run again.
+        assert memory_timeline(prof) == want, what
         assert memory_timeline(profiled(program_seed, with_stack=False)) == want, what
 
 
