@@ -17,10 +17,10 @@ import torch
 from conftest import HAS_CUDA, requires_gpu
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-from torch.profiler._memory_profiler import Action
 from torch.utils._python_dispatch import _disable_current_modes
 
 import sharedmem as sm
+from sharedmem.testing import memory_timeline
 
 F = nn.functional.cross_entropy
 MARK = 100_001  # markers are MARK + 2k bytes: odd, so no float or int64 tensor has the size
@@ -82,16 +82,13 @@ def allocator_at_markers(prof: profile) -> tuple[list[int], list[int]]:
     """The running sum of the timeline at each marker, and its highest value between each
     marker and the next (the markers' own bytes left out)."""
     live, at, peaks = 0, [], []
-    for _, action, _, size in prof._memory_profile().timeline:
-        if size >= MARK and size % 2:
-            if action == Action.CREATE:
+    for size in memory_timeline(prof):  # the profiler's memory timeline's events, in order
+        if abs(size) >= MARK and size % 2:
+            if size > 0:
                 peaks.append(live)
                 at.append(live)
             continue
-        if action == Action.CREATE:
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
+        live += size
         if peaks:
             peaks[-1] = max(peaks[-1], live)
     return at, peaks[:-1]
