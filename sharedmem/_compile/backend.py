@@ -155,16 +155,47 @@ class StepSpans:
     that leaves its plan is served by PyTorch).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pool: BufferPool, arena: str) -> None:
         self._open = threading.local()
+        self._pool = pool
+        self._arena = arena
+        # Spans opened before any graph (``open``): their routes, by the call's signature.
+        self._routes: OrderedDict[tuple[object, ...], Route] = OrderedDict()
+        self._lock = threading.Lock()
 
     def forward(self, graph: PooledGraph, args: list[Any]) -> None:
         state = self._open
         if getattr(state, "scope", None) is not None:
             return  # a later graph of the same step (a graph break): the span is open
-        scope = graph.route(("step", *_signature(args))).scope()
+        self._enter(graph.route(("step", *_signature(args))))
+
+    def open(self, args: Sequence[object]) -> None:
+        """Open the step's span now, before its first graph runs (a model's own forward
+        pre-hook: FSDP2 gathers the first block's parameters before that block's graph),
+        its route chosen by ``args``' signature. Nothing where autograd is off (no backward
+        would close it) or a span is open already."""
+        if not torch.is_grad_enabled() or getattr(self._open, "scope", None) is not None:
+            return
+        key = _signature(list(args))
+        with self._lock:
+            route = self._routes.get(key)
+            if route is None:
+                route = self._routes[key] = Route(self._pool, self._arena, training=True)
+                while len(self._routes) > ROUTES_PER_GRAPH:
+                    self._routes.popitem(last=False)
+            else:
+                self._routes.move_to_end(key)
+        self._enter(route)
+
+    def routes(self) -> list[Route]:
+        """The routes of spans opened by ``open``, least recently used first."""
+        with self._lock:
+            return list(self._routes.values())
+
+    def _enter(self, route: Route) -> None:
+        scope = route.scope()
         scope.__enter__()
-        state.scope = scope
+        self._open.scope = scope
 
     def backward(self) -> None:
         if getattr(self._open, "scope", None) is not None:
@@ -215,7 +246,7 @@ class PoolBackend:
         self.name = name
         self.partition = partition
         self.span = span
-        self._steps = StepSpans() if span == "step" else None
+        self._steps = StepSpans(pool, arena) if span == "step" else None
         self.graphs: list[PooledGraph] = []
         self._numbers = itertools.count()
         self.__name__ = f"sharedmem_{name}"  # Dynamo names a backend by it
@@ -252,12 +283,33 @@ class PoolBackend:
         )
         return aot(gm, example_inputs, **kwargs)
 
+    def steps_from(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Open each training step's span when ``model``'s forward begins rather than at its
+        first compiled graph (``span="step"`` only): what ``model`` allocates before that
+        graph is planned with the step. An FSDP2 model whose blocks are compiled needs it:
+        FSDP2 gathers the first block's parameters before that block's graph runs, and
+        outside the span they would sit beside an arena reserved for the whole step (call it
+        on the root, with ``sm.prepare_fsdp(model)``). Returns ``model``."""
+        steps = self._steps
+        if steps is None:
+            raise ValueError(
+                "sharedmem: steps_from(model) needs a backend with span='step'; this one plans "
+                "each graph call on its own (span='graph')"
+            )
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"sharedmem: steps_from takes an nn.Module, got {type(model).__name__}")
+        if getattr(model, "_sharedmem_spans", None) is not steps:
+            model.register_forward_pre_hook(lambda _m, args: steps.open(args), prepend=True)
+            model._sharedmem_spans = steps  # type: ignore[assignment]
+        return model
+
     def stats(self) -> dict[str, int]:
         """``graphs``: ATen graphs compiled (forward, backward and inference counted apart);
-        ``routes``: signatures with a recording or plan kept, over every graph."""
+        ``routes``: signatures with a recording or plan kept, over every graph and span."""
+        spans = 0 if self._steps is None else len(self._steps.routes())
         return {
             "graphs": len(self.graphs),
-            "routes": sum(len(g.routes()) for g in self.graphs),
+            "routes": sum(len(g.routes()) for g in self.graphs) + spans,
         }
 
 
