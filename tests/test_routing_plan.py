@@ -147,3 +147,43 @@ def test_gradients_live_to_the_step_end_are_packed_with_the_rest():
     got = plan_offsets(rec)
     assert got.need == got.lower_bound
     assert not _overlapping(got.offsets, *rec[:3])
+
+
+def test_plans_grown_again_by_bisection_stay_valid_and_bounded(monkeypatch):
+    # ``_best`` grows a plan again one granule lower at most ``_REGROW`` times, then bisects:
+    # with none allowed every plan still fits its ceiling and fences, shares no bytes,
+    # keeps the step's peak within the tolerance of the allocator alone, and the growths
+    # made stay within the documented bound.
+    monkeypatch.setattr(plan, "_REGROW", 0)  # every growth after the first two bisects
+    real = plan._grow_greedily
+    growths = []
+
+    def counted(*args):
+        growths.append(args[2])
+        return real(*args)
+
+    monkeypatch.setattr(plan, "_grow_greedily", counted)
+    bisected = 0
+    for k in range(3000, 3150):
+        print("seed", k)
+        r = random.Random(k)
+        sizes, starts, ends = _instance(k, most=12, unit=ALIGN)
+        sizes = [s - r.randint(0, ALIGN - 1) for s in sizes]
+        granularity = r.choice([1, 64, 256])
+        fences = [(ALIGN * r.randint(0, 4), ALIGN * r.randint(5, 8))] if r.random() < 0.3 else []
+        capacity = max((high for _, high in fences), default=0)
+        ceiling = r.choice([None, sum(sizes) // 2])
+        rec = Recording(sizes, starts, ends)
+        growths.clear()
+        got = choose_plan(
+            rec, capacity=capacity, granularity=granularity, ceiling=ceiling, fences=fences
+        )
+        assert not _overlapping(got.offsets, sizes, starts, ends, fences), k
+        assert ceiling is None or got.need <= ceiling, k
+        alone = capacity + rec.live_peak()
+        top = max(capacity, -(-got.need // granularity) * granularity)
+        assert top + got.beside_peak <= alone + granularity + alone // 1000, k
+        bisected += len(growths) > 2
+        rounds = (capacity + sum(sizes) + ALIGN * len(sizes)).bit_length() + 1
+        assert len(growths) <= 2 + 3 * 2 * rounds, k  # two units, three limits
+    assert bisected, "no instance bisected: the test tests nothing"

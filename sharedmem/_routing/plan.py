@@ -68,6 +68,8 @@ _WORK = 2048  # ... and at most this many placements in all
 _EXACT_STEPS = 8000  # the most placements the exact search tries (``plan_offsets``) ...
 _EXACT_EACH = 4  # ... and at most this many per allocation, and 256
 _EXACT_MOST = 4000  # ... on steps of at most this many allocations (it holds n^2 bits)
+_REGROW = 16  # the most rounds ``_best`` grows a plan again one arena granule lower, then bisects
+_FEW = 16  # ``_best_gap`` loops over at most this many busy ranges, else works on arrays
 
 
 class Recording(NamedTuple):
@@ -395,12 +397,12 @@ def choose_plan(
     """
     alone = capacity + recording.live_peak()
     # Grown once, judged in whole granules and in bytes; each limit below trims its own copy.
-    grown = {
-        unit: _grow_greedily(recording, capacity, ceiling, unit, fences)
-        for unit in (granularity, 1)
-    }
+    # Every growth is kept by its unit and ceiling: the three limits below share them.
+    grown: dict[tuple[int, int | None], RoutePlan] = {}
+    for unit in dict.fromkeys((granularity, 1)):
+        grown[unit, ceiling] = _grow_greedily(recording, capacity, ceiling, unit, fences)
     full = plan_offsets(recording, ceiling=ceiling, fences=fences)
-    candidates = (recording, capacity, granularity, full, grown, fences)
+    candidates = (recording, capacity, granularity, ceiling, full, grown, fences)
     strict = _best(*candidates, alone, 0)
     if tolerance is None:
         tolerance = granularity + alone // 1000
@@ -421,20 +423,52 @@ def _best(
     recording: Recording,
     capacity: int,
     granularity: int,
+    ceiling: int | None,
     full: RoutePlan,
-    grown: dict[int, RoutePlan],
+    grown: dict[tuple[int, int | None], RoutePlan],
     fences: Fences,
     allowed: int,
     tolerance: int,
 ) -> RoutePlan:
     # The lowest peak at most ``allowed``, and of the plans within ``tolerance`` of it, the
     # one that serves the most. A grown plan over ``allowed`` grows again under its arena
-    # rounded down to whole granules, until it fits.
+    # rounded down to whole granules, until it fits (``grown`` keeps every growth made); past
+    # ``_REGROW`` such rounds (a step whose peak stays a few bytes above ``allowed`` as its
+    # arena shrinks by one granule: ResNet-50's, hundreds of rounds of a second each), the
+    # highest arena below that fits is bisected for, in whole granules: at most
+    # ``_REGROW + log2(arena / granularity) + 1`` growths per unit, and every fitting plan
+    # the bisection met is a candidate.
     plans = [full]
-    for unit, plan in grown.items():
-        while _peak(plan, capacity, granularity) > allowed and plan.need > 0:
+
+    def grow(unit: int, limit: int) -> RoutePlan:
+        if (unit, limit) not in grown:
+            grown[unit, limit] = _grow_greedily(recording, capacity, limit, unit, fences)
+        return grown[unit, limit]
+
+    def fits(plan: RoutePlan) -> bool:
+        return _peak(plan, capacity, granularity) <= allowed
+
+    for unit in dict.fromkeys((granularity, 1)):
+        plan = grown[unit, ceiling]
+        rounds = 0
+        while not fits(plan) and plan.need > 0:
             lower = (plan.need - 1) // granularity * granularity
-            plan = _grow_greedily(recording, capacity, lower, unit, fences)
+            rounds += 1
+            if rounds <= _REGROW:
+                plan = grow(unit, lower)
+                continue
+            # Bisected over whole granules of [0, lower]: ``low`` fits (an empty arena is
+            # the allocator alone) or is 0, ``high`` is past what was found to fit.
+            low, high = 0, lower // granularity + 1
+            while high - low > 1:
+                middle = (low + high) // 2
+                if fits(tried := grow(unit, middle * granularity)):
+                    low = middle
+                    plans.append(tried)
+                else:
+                    high = middle
+            plan = grow(unit, low * granularity)
+            break
         plans.append(plan)
     # The greedy plans always fit: each growth keeps the peak in bytes, and at an empty
     # arena the plan is the allocator alone.
@@ -465,16 +499,21 @@ def _grow_greedily(
     )
     arena = capacity
     offsets = [-1] * n
-    placed = [(-1, _ALWAYS, low, high) for low, high in _aligned(fences)]  # start, end, at, top
+    # The placed allocations, as arrays grown in place (start tick, end tick, offset, top),
+    # the fences first, live at every tick: one vectorized overlap test per allocation.
+    held_fences = _aligned(fences)
+    placed = np.zeros((4, len(held_fences) + max(1, len(pending))), dtype=np.int64)
+    for k, (low, high) in enumerate(held_fences):
+        placed[:, k] = (-1, _ALWAYS, low, high)
+    count = len(held_fences)
     while pending:
         refused: list[int] = []
         for i in pending:
             start, end = starts[i], ends[i]
             size = -(-sizes[i] // ALIGN) * ALIGN
-            busy = [(low, high) for s, e, low, high in placed if s < end and start < e]
-            lows = np.asarray([b[0] for b in busy], dtype=np.int64)
-            highs = np.asarray([b[1] for b in busy], dtype=np.int64)
-            offset = _best_gap(lows, highs, size)
+            live = placed[:, :count]
+            busy = live[:, (live[0] < end) & (start < live[1])]
+            offset = _best_gap(busy[2], busy[3], size)
             grown = max(arena, offset + size)
             if ceiling is not None and grown > ceiling:
                 refused.append(i)
@@ -489,7 +528,8 @@ def _grow_greedily(
                     continue
             arena = grown
             beside[start:end] -= sizes[i]
-            placed.append((start, end, offset, offset + size))
+            placed[:, count] = (start, end, offset, offset + size)
+            count += 1
             offsets[i] = offset
         if len(refused) == len(pending):
             break
@@ -527,19 +567,31 @@ def _described(recording: Recording, offsets: list[int]) -> RoutePlan:
 
 def _best_gap(lows: np.ndarray, highs: np.ndarray, size: int, *, first: bool = False) -> int:
     # The smallest gap between the busy ranges [low, high) that holds ``size`` (``first``:
-    # the lowest); else the top.
+    # the lowest; of equal gaps the lowest); else the top.
     if lows.size == 0:
         return 0
     order = np.argsort(lows, kind="stable")
-    best, best_gap, offset = -1, 0, 0
-    for low, high in zip(lows[order].tolist(), highs[order].tolist(), strict=True):
-        gap = low - offset
-        if gap >= size and (best < 0 or gap < best_gap):
-            best, best_gap = offset, gap
-            if first:
-                return best
-        offset = max(offset, high)
-    return best if best >= 0 else offset
+    if lows.size <= _FEW:  # a few ranges: a loop costs less than the arrays below
+        best, best_gap, offset = -1, 0, 0
+        for low, high in zip(lows[order].tolist(), highs[order].tolist(), strict=True):
+            gap = low - offset
+            if gap >= size and (best < 0 or gap < best_gap):
+                best, best_gap = offset, gap
+                if first:
+                    return best
+            offset = max(offset, high)
+        return best if best >= 0 else offset
+    # Each range's gap starts at the highest top below it (0 for the first) and ends at it.
+    tops = np.maximum.accumulate(highs[order])
+    below = np.empty_like(tops)
+    below[0] = 0
+    below[1:] = np.maximum(tops[:-1], 0)
+    gaps = lows[order] - below
+    fits = np.flatnonzero(gaps >= size)
+    if fits.size == 0:
+        return max(int(tops[-1]), 0)
+    at = fits[0] if first else fits[int(np.argmin(gaps[fits]))]
+    return int(below[at])
 
 
 def _pick(recording: Recording, chosen: list[int]) -> tuple[list[int], list[int], list[int]]:
