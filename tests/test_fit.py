@@ -473,6 +473,11 @@ def test_bad_arguments_say_what_is_wrong() -> None:
 # again in backward fits the whole batch, the step computes exactly the unbudgeted step.
 
 
+# The tests of deep_cnn's batch share its plans (cached below): on one xdist worker, so that
+# each is made once in a run rather than once on each worker.
+SHARES_THE_CNN_PLAN = pytest.mark.xdist_group("test_fit_deep_cnn")
+
+
 def deep_cnn(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, padding=1)]
@@ -481,6 +486,7 @@ def deep_cnn(seed: int) -> nn.Module:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
 
 
+@SHARES_THE_CNN_PLAN
 def test_a_budget_recomputation_meets_runs_the_whole_batch_bit_for_bit() -> None:
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, 3, 32, 32, generator=gen), torch.randn(32, 5, generator=gen)
@@ -500,9 +506,8 @@ def test_a_budget_recomputation_meets_runs_the_whole_batch_bit_for_bit() -> None
     held = allocator_peak(functools.partial(fitted, x, y)) + pool.stats()["reserved_bytes"]
     assert held <= budget, (held, budget)
     # Below what recomputation reaches, chunks as before.
-    low = sm.pooled_train_step(
-        deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=int(unchunked * 0.3)
-    )
+    low = _cnn_low()
+    assert low.budget == int(unchunked * 0.3)
     assert low.chunks_for(x, y) > 1 and not low.recomputing
 
 
@@ -524,10 +529,21 @@ def _cnn_unchunked() -> int:
     return plan.pooled_bytes + plan.beside_peak
 
 
+@functools.cache
+def _cnn_low() -> Any:
+    # The step under 30% of the unchunked plan, which recomputation cannot meet: chosen (a
+    # search over recomputation and chunks) once for the two tests that read it, never run.
+    return sm.pooled_train_step(
+        deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=int(_cnn_unchunked() * 0.3)
+    )
+
+
+@SHARES_THE_CNN_PLAN
 def test_where_recomputation_cannot_meet_a_budget_the_report_says_what_bounds_it() -> None:
     x, y, unchunked = _cnn_batch()
     budget = int(unchunked * 0.3)
-    low = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"), budget=budget)
+    low = _cnn_low()
+    assert low.budget == budget
     assert low.chunks_for(x, y) > 1 and not low.recomputing
     ((least, floor, op),) = low.unreached.values()
     assert budget < least and 0 < floor <= least
@@ -547,6 +563,7 @@ def test_where_recomputation_cannot_meet_a_budget_the_report_says_what_bounds_it
     assert held >= floor, (held, floor)
 
 
+@SHARES_THE_CNN_PLAN
 def test_a_budget_takes_the_least_recomputation_that_fits() -> None:
     x, y, unchunked = _cnn_batch()
     budget = int(unchunked * 0.9)
@@ -569,6 +586,7 @@ def test_a_budget_takes_the_least_recomputation_that_fits() -> None:
     assert "modelled" in str(summary) and "modelled" in fitted.report()
 
 
+@SHARES_THE_CNN_PLAN
 @pytest.mark.parametrize("per_call", [0.0, 1e12])
 def test_exact_false_takes_whichever_of_chunks_and_recomputation_is_modelled_faster(
     per_call: float, monkeypatch: pytest.MonkeyPatch
@@ -598,6 +616,7 @@ def test_exact_false_takes_whichever_of_chunks_and_recomputation_is_modelled_fas
     assert torch.isfinite(loss) and all(p.grad is not None for p in either.model.parameters())
 
 
+@SHARES_THE_CNN_PLAN
 def test_recompute_with_a_budget_caps_what_the_budget_may_choose() -> None:
     # One meaning: the most time recomputation may add. With a budget, the budget takes
     # the least recomputation that fits within it; Recompute.OFF gives no time: chunks.
@@ -625,6 +644,7 @@ def test_recompute_with_a_budget_caps_what_the_budget_may_choose() -> None:
     assert roomy.chunks_for(x, y) == 1 and roomy.recompute == free.recompute
 
 
+@SHARES_THE_CNN_PLAN
 def test_recompute_within_gives_the_least_memory_within_it_bit_for_bit() -> None:
     x, y, unchunked = _cnn_batch()
     plain = sm.pooled_train_step(deep_cnn(0), F.mse_loss, pool=sm.BufferPool("cpu"))
@@ -646,6 +666,7 @@ def test_recompute_within_gives_the_least_memory_within_it_bit_for_bit() -> None
     assert unchunked > peaks[1.05] >= peaks[1.2] >= peaks[1.5], (unchunked, peaks)
 
 
+@SHARES_THE_CNN_PLAN
 def test_the_old_keywords_warn_once_with_the_new_spelling_and_do_the_same() -> None:
     # reduction=, batch_dim=, split=, exact= are sm.Chunks(...) now, max_slowdown= is
     # sm.Recompute.within(...): one DeprecationWarning per call names the call to write.
@@ -742,6 +763,7 @@ def test_recompute_is_a_record_that_says_one_thing() -> None:
             sm.Recompute(bad)  # type: ignore[arg-type]
 
 
+@SHARES_THE_CNN_PLAN
 def test_recomputing_up_to_the_whole_step_and_as_much_as_lowers_the_peak_are_two_plans() -> None:
     # Up to +100% (max_slowdown 2.0) and as much as lowers the peak: two graphs, not one.
     x, y, _ = _cnn_batch()
