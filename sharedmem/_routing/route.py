@@ -433,13 +433,22 @@ class Route:
             [predicted.alloc_at[i] for i in order],
             [predicted.free_at[i] for i in order],
         )  # in allocation order, as the router meets them
-        outliving = [i for i, free in enumerate(predicted.free_at) if free < 0]
+        # The router leaves allocations under ``GUIDE_SMALL`` bytes to PyTorch in a guided
+        # call, foreseen or not: the plan places the others and leaves those beside.
+        small = int(module.GUIDE_SMALL)
+        large = [i for i, size in enumerate(predicted.sizes) if size >= small]
+        sequence = Recording(
+            [predicted.sizes[i] for i in large],
+            [predicted.alloc_at[i] for i in large],
+            [predicted.free_at[i] for i in large],
+        )
+        outliving = [i for i, free in enumerate(sequence.free_at) if free < 0]
         grow = not fences or self.optimizer
         # A passing state (an evaluation while gradients are held): the steady evaluation's
         # rule, up to eager's peak in that state where growing lowers the call's peak.
         ceiling = self._ceiling() if grow else self._passing_ceiling(capacity, predicted, fences)
         plan = choose_plan(
-            placeable(predicted, outliving),
+            placeable(sequence, outliving),
             capacity=capacity,
             granularity=host.granularity,
             ceiling=ceiling,
@@ -449,7 +458,9 @@ class Route:
             return None  # the lane cannot grow now: best fit in it as it is
         if not grow and plan.need > capacity:
             self._grown_from = capacity  # a passing state's growth, given back as a plan's
-        offsets = [o if o >= 0 else -2 for o in plan.offsets]
+        offsets = [-2] * len(predicted.sizes)
+        for i, offset in zip(large, plan.offsets, strict=True):
+            offsets[i] = offset if offset >= 0 else -2
         return module.Plan(list(predicted.sizes), offsets, [0] * len(offsets))
 
     def _room(self, lane: str) -> torch.Tensor | None:

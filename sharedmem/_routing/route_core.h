@@ -17,9 +17,11 @@
 //   graph's, in allocation order): an allocation takes the place the plan gave the earliest
 //   predicted allocation of its size not taken yet, if that one comes at most
 //   ``kGuideWindow`` predicted allocations past the latest one taken, and where that range
-//   is free (upstream where the plan left it beside, or it is under ``kGuideSmall`` bytes);
-//   else best fit. The first call is then served as planned, whatever the prediction missed
-//   (an allocation it did not foresee does not pull the guide ahead).
+//   is free (upstream where the plan left it beside); else best fit. An allocation under
+//   ``kGuideSmall`` bytes, foreseen or not, is left to PyTorch (the plan leaves those beside):
+//   the first call is then served as planned, whatever the prediction missed (an allocation
+//   it did not foresee does not pull the guide ahead, nor takes a range planned for a later
+//   one).
 // - A plan may place allocations that outlive the call (gradients, the loss): they stay in the
 //   arena's live map, fenced, until freed wherever that happens.
 #pragma once
@@ -95,9 +97,14 @@ struct Scope {
 // How far past the latest predicted allocation taken a guided recording takes the next one of
 // an allocation's size (further: the prediction is taken to lack it, and best fit serves).
 constexpr int64_t kGuideWindow = 4;
-// Predicted allocations under this many bytes (scalars) are left to PyTorch in a guided
-// recording.
-constexpr size_t kGuideSmall = 16;
+// Allocations under this many bytes are left to PyTorch in a guided recording (the guide's
+// plan leaves them beside; ``GUIDE_SMALL`` in Python). Small ones are where a traced graph's
+// decomposition and the kernels' differ most (a norm's saved statistics, a dropout's seed, a
+// scalar): matched by size to a predicted peer that dies sooner, or unforeseen and placed by
+// best fit, they would hold a range the plan keeps for a large allocation later, and every
+// allocation after would drift from the plan (a tiny GPT-2's first call: 774 KB of gradients
+// beside the arena). Upstream they cost their own few bytes.
+constexpr size_t kGuideSmall = 1024;
 
 // What the n-th allocation of a scope gets.
 enum class Serve {
@@ -136,9 +143,9 @@ class State {
             int64_t next = found->second.first[found->second.second++];
             scope.guided_to = std::max(scope.guided_to, next + 1);
             int64_t offset = scope.guide->offsets[next];
-            // Planned beside the arena; or a scalar, which the prediction may have swapped
-            // with a peer of its size that lives longer (the loss and a temporary): in the
-            // other's place it would split the ranges the plan keeps for large ones.
+            // Planned beside the arena; or a small one, which the prediction may have
+            // swapped with a peer of its size that lives longer (the loss and a temporary):
+            // in the other's place it would split the ranges the plan keeps for large ones.
             if (offset < 0 || n < kGuideSmall) return {Serve::kWatched, nullptr};
             uintptr_t at = arena.base + static_cast<uintptr_t>(offset);
             if (at + n <= arena.base + arena.size && free_range(arena, at, at + n)) {
@@ -147,6 +154,7 @@ class State {
               return {Serve::kArena, reinterpret_cast<void*>(at)};
             }
           }
+          if (n < kGuideSmall) return {Serve::kWatched, nullptr};  // unforeseen, and small
         }
         uintptr_t start = best_fit(arena, n);
         if (start != 0) {

@@ -152,6 +152,7 @@ bool active() { return t_scope != nullptr; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   sharedmem_route::bind_plan(m);
+  m.attr("GUIDE_SMALL") = static_cast<int64_t>(sharedmem_route::kGuideSmall);
   m.def("install", &install);
   m.def("begin_record", &begin_record, pybind11::arg("base"), pybind11::arg("size"),
         pybind11::arg("owner") = pybind11::none(), pybind11::arg("guide") = nullptr);
