@@ -257,6 +257,14 @@ def _with_a_held_loss(rec: Recording) -> tuple[Recording, list[int]]:
     return placeable(rec, outliving), outliving
 
 
+def _scaled(spread: Recording, scale: float) -> Recording:
+    """``spread``'s sequence at another size: every allocation scaled, the loss (its last,
+    4 bytes) as it is."""
+    last = len(spread.sizes) - 1
+    sizes = [n if i == last else int(n * scale) for i, n in enumerate(spread.sizes)]
+    return Recording(sizes, spread.alloc_at, spread.free_at)
+
+
 def _make_in_1_mib(sequence: Recording, fences: Fences = ()) -> RoutePlan:
     return choose_plan(sequence, capacity=1 << 20, granularity=4096, fences=fences)
 
@@ -306,11 +314,7 @@ def test_the_loss_held_from_the_last_call_takes_the_other_bank_not_another_plan(
     held: list[tuple[int, int]] = []
     loss_at = []
     for k, scale in enumerate([1.0, *scales]):
-        sizes = [
-            n if k == 0 or i == len(spread.sizes) - 1 else int(n * scale)
-            for i, n in enumerate(spread.sizes)
-        ]
-        sized = Recording(sizes, spread.alloc_at, spread.free_at)
+        sized = _scaled(spread, scale if k else 1.0)
         got = _plan_in_1_mib(family, sized, held, outliving)
         _disjoint(sized, got.plan, held)
         loss = got.plan.offsets[-1]
@@ -337,11 +341,7 @@ def test_a_familys_plan_comes_with_the_other_banks_plan(
     family = SharedPlans()
     held: list[tuple[int, int]] = []
     for k, scale in enumerate([1.0, *scales]):
-        sizes = [
-            n if k == 0 or i == len(spread.sizes) - 1 else int(n * scale)
-            for i, n in enumerate(spread.sizes)
-        ]
-        sized = Recording(sizes, spread.alloc_at, spread.free_at)
+        sized = _scaled(spread, scale if k else 1.0)
         got = _plan_in_1_mib(family, sized, held, outliving)
         assert got.bank > 0 and got.other is not None
         assert key(held, got.bank) == (got.which, ())
