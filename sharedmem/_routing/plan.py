@@ -471,7 +471,10 @@ def _best(
             break
         plans.append(plan)
     # The greedy plans always fit: each growth keeps the peak in bytes, and at an empty
-    # arena the plan is the allocator alone.
+    # arena the plan is the allocator alone. Every growth an earlier limit made is a
+    # candidate too: a looser limit stops regrowing sooner, and judged only by its own
+    # plans, its "lowest" peak could sit more than ``tolerance`` above the step's lowest.
+    plans.extend(grown.values())
     fitting = [p for p in plans if _peak(p, capacity, granularity) <= allowed]
     lowest = min(_peak(p, capacity, granularity) for p in fitting)
     near = [p for p in fitting if _peak(p, capacity, granularity) <= lowest + tolerance]
