@@ -301,7 +301,7 @@ def compile_backend_on_fsdp2_equals_eager(rank: int, world: int) -> None:
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, pooled)]
     problems: list[str] = []
     eager_peaks, pooled_peaks = [], []
-    steady = 3  # recorded, left its plan (the gradients made anew), recorded again, planned
+    steady = 3  # the first call (compiling) recorded, left by the second, recorded again
     for i in range(STEP_CALLS + 5):
         torch.manual_seed(1000 * rank + 10 * i)
         x, y = torch.randn(16, 32), torch.randn(16, 4)
