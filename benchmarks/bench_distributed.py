@@ -16,7 +16,9 @@ parameters' bytes, allocated outside the step), for the pooled step the pool's
 FSDP2: the same models sharded with ``fully_shard`` (each child with parameters, then the
 root), trained by ``sm.pooled_train_step`` (their eager step inside ``pool.step()``) against
 the same step of eager FSDP2; memory as above, the pooled step's plus the pool's ``reserved_bytes``
-(its arena), and the share of the step's dying bytes the arena served per call.
+(its arena), and the share of the step's dying bytes the arena served per call. Then the same
+again with the pooled side compiled as torchtitan compiles (each unit its own ``torch.compile``
+with the pool's backend, then sharded; ``sm.prepare_fsdp`` and the backend's ``steps_from``).
 
 Before sharding anything, ``sm.estimate(..., world_size=2)`` says what each rank's eager FSDP2
 step needs (rank 0's shards, the largest): its step peak against the measured one.

@@ -54,10 +54,11 @@ def prepare_fsdp(model: nn.Module) -> nn.Module:
     """Prepare a model sharded with ``fully_shard`` (FSDP2) for ``pool.step()`` blocks.
 
     Checks every FSDP2 module of ``model`` and gives it collectives whose buffers die on the
-    step's own thread (see the module's docstring), so that each rank's step is recorded once
-    and then served from its pool's arena, FSDP2's all-gather and reduce-scatter buffers
-    included. Installs the routing allocator now, so that the unsharded parameters FSDP2
-    makes at its first all-gather are routed too. Calling it again changes nothing.
+    step's own thread and that copy nothing beside them on CPU (see the module's docstring),
+    so that each rank's step is recorded once and then served from its pool's arena, FSDP2's
+    all-gather and reduce-scatter buffers included. Installs the routing allocator now, so
+    that the unsharded parameters FSDP2 makes at its first all-gather are routed too. Calling
+    it again changes nothing.
 
     A step without it still gives eager FSDP2's results, but its plan breaks whenever a
     collective's buffer outlives the step's next allocation, and is recorded anew.
