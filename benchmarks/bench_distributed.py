@@ -16,7 +16,9 @@ parameters' bytes, allocated outside the step), for the pooled step the pool's
 FSDP2: the same models sharded with ``fully_shard`` (each child with parameters, then the
 root), trained by ``sm.pooled_train_step`` (their eager step inside ``pool.step()``) against
 the same step of eager FSDP2; memory as above, the pooled step's plus the pool's ``reserved_bytes``
-(its arena), and the share of the step's dying bytes the arena served per call.
+(its arena), and the share of the step's dying bytes the arena served per call. Then the same
+again with the pooled side compiled as torchtitan compiles (each unit its own ``torch.compile``
+with the pool's backend, then sharded; ``sm.prepare_fsdp`` and the backend's ``steps_from``).
 
 Before sharding anything, ``sm.estimate(..., world_size=2)`` says what each rank's eager FSDP2
 step needs (rank 0's shards, the largest): its step peak against the measured one.
@@ -169,6 +171,73 @@ def _measure_fsdp(rank: int, name: str, quick: bool) -> dict[str, float]:
     }
 
 
+def _measure_fsdp_compiled(rank: int, name: str, quick: bool) -> dict[str, float]:
+    """As ``_measure_fsdp``, the pooled side compiled the way torchtitan compiles: each unit
+    its own ``torch.compile`` with the pool's backend, then ``fully_shard`` on it and at the
+    root, ``sm.prepare_fsdp`` and the backend's ``steps_from`` (FSDP2's hooks run eagerly
+    between the compiled units, inside the step's span)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sharedmem._compile import compile_backend
+
+    _, make, data, _ = next(case for case in CASES if case[0] == name)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    eager = _sharded(make, mesh)
+    pool = sm.BufferPool("cpu")
+    backend = compile_backend(pool)
+    torch.manual_seed(0)
+    compiled = make()
+    for unit in _units(compiled):
+        parent, _, leaf = unit.rpartition(".")
+        owner = compiled.get_submodule(parent)
+        setattr(owner, leaf, torch.compile(owner.get_submodule(leaf), backend=backend))
+        fully_shard(owner.get_submodule(leaf), mesh=mesh)  # type: ignore[arg-type]
+    fully_shard(compiled, mesh=mesh)  # type: ignore[arg-type]
+    sm.prepare_fsdp(compiled)
+    backend.steps_from(compiled)
+    torch.manual_seed(rank)  # every rank its own batch
+    x, y = data(16 if quick else 32)
+    loss_fn = nn.functional.cross_entropy
+
+    def step(model: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            model.zero_grad()
+            loss_fn(model(x), y).backward()
+
+        return run
+
+    for _ in range(4):  # compiled, recorded, planned
+        step(compiled)()
+    before = pool.stats()
+    rounds, number = (5, 3) if quick else (21, 5)
+    times = interleaved(
+        {"eager": step(eager), "pooled": step(compiled)}, rounds=rounds, number=number
+    )
+
+    def peak(model: nn.Module) -> int:  # the least of three, as in _measure_fsdp
+        peaks = []
+        for _ in range(3):
+            model.zero_grad()
+            peaks.append(allocator_peak(lambda: loss_fn(model(x), y).backward()))
+        return min(peaks)
+
+    eager_peak = peak(eager)
+    pooled_peak = peak(compiled) + pool.stats()["reserved_bytes"]
+    stats = pool.stats()
+    since = {k: stats.get(k, 0) - before.get(k, 0) for k in stats}
+    calls = max(since.get("replayed_calls", 0), 1)  # every call after the warm-up
+    return {
+        "eager_s": times["eager"],
+        "pooled_s": times["pooled"],
+        "eager_peak": eager_peak,
+        "pooled_peak": pooled_peak,
+        "served": since.get("arena_served_bytes", 0) / calls,
+        "beside": since.get("arena_fallback_bytes", 0) / calls,
+        "diverged": since.get("diverged_calls", 0),
+    }
+
+
 def _rank_main(rank: int, port: int, quick: bool, out: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     # As the distributed demo: torch._dynamo (which DDP imports) imported before the group, so
@@ -180,6 +249,9 @@ def _rank_main(rank: int, port: int, quick: bool, out: str) -> None:
     try:
         figures = {name: _measure(rank, name, quick) for name in MODELS}
         figures.update({f"fsdp-{name}": _measure_fsdp(rank, name, quick) for name in MODELS})
+        figures.update(
+            {f"fsdpc-{name}": _measure_fsdp_compiled(rank, name, quick) for name in MODELS}
+        )
         Path(out, f"rank{rank}.json").write_text(json.dumps(figures))
     finally:
         gc.collect()  # the DDP wrappers' cycles, which hold the group
@@ -207,6 +279,11 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
         rows += _rows(
             ranks, f"fsdp-{name}", f"{name} FSDP2", "eager FSDP2", _served, " in pool.step()"
         )
+    for name in MODELS:
+        rows += _rows(
+            ranks, f"fsdpc-{name}", f"{name} FSDP2", "eager FSDP2", _served,
+            " under torch.compile (the pool's backend, steps_from)",
+        )  # fmt: skip
     for name in MODELS:
         for rank, figures in enumerate(ranks):
             f = figures[f"fsdp-{name}"]

@@ -18,9 +18,18 @@ a collective, which looked like a hang.
 of the buffers that own nothing, and call it with the step's scope set aside, so that what the
 process group allocates for itself is not the step's. The buffers then live exactly as long as
 FSDP2's own references, which it drops on the step's thread after waiting for the collective:
-every call frees them at the same point and every replay follows its plan. The bytes, the
-collectives and their order are FSDP2's, so losses and gradients equal eager FSDP2's bit for
-bit.
+every call frees them at the same point and every replay follows its plan.
+
+On CPU they also leave out gloo's copies. Gloo's all-gather gathers into a flat tensor of the
+output's size that its worker thread allocates and copies out; its reduce-scatter clones the
+input, all-reduces the clone and copies this rank's chunk out, the clone freed when the worker
+thread drops its work. Both sat beside the step's arena, at times of the worker thread's
+choosing (a step's peak moved by up to one unit's parameters, two where they overlapped). Here
+the all-gather broadcasts each rank's chunk of FSDP2's output from that rank, in place, and the
+reduce-scatter all-reduces FSDP2's input in place (FSDP2 reads it no more) and copies this
+rank's chunk out: nothing is allocated beside the step's plan. The bytes moved are the same,
+and the reduction is gloo's all-reduce on the same values, as in its reduce-scatter, so losses
+and gradients equal eager FSDP2's bit for bit.
 
 What a plan cannot honour yet is refused before anything runs: HSDP meshes (their all-reduce
 does not pass through the hook), a CPU offload policy, several parameter groups (FSDP2 refuses
@@ -45,10 +54,11 @@ def prepare_fsdp(model: nn.Module) -> nn.Module:
     """Prepare a model sharded with ``fully_shard`` (FSDP2) for ``pool.step()`` blocks.
 
     Checks every FSDP2 module of ``model`` and gives it collectives whose buffers die on the
-    step's own thread (see the module's docstring), so that each rank's step is recorded once
-    and then served from its pool's arena, FSDP2's all-gather and reduce-scatter buffers
-    included. Installs the routing allocator now, so that the unsharded parameters FSDP2
-    makes at its first all-gather are routed too. Calling it again changes nothing.
+    step's own thread and that copy nothing beside them on CPU (see the module's docstring),
+    so that each rank's step is recorded once and then served from its pool's arena, FSDP2's
+    all-gather and reduce-scatter buffers included. Installs the routing allocator now, so
+    that the unsharded parameters FSDP2 makes at its first all-gather are routed too. Calling
+    it again changes nothing.
 
     A step without it still gives eager FSDP2's results, but its plan breaks whenever a
     collective's buffer outlives the step's next allocation, and is recorded anew.
@@ -153,13 +163,19 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _routed_cpu(t: torch.Tensor) -> Any | None:
+    """The router, where ``t`` is a CPU tensor and the router is loaded; else ``None``."""
+    router = loaded()
+    return router if t.device.type == "cpu" and router is not None else None
+
+
 def _collective(run: Callable[..., Any], output: torch.Tensor, input: torch.Tensor) -> Any:
     """``run(output, input)`` as the step's planning needs it: the process group sees aliases
-    of the buffers, and what it allocates itself (gloo copies a buffer it holds until its
-    worker thread drops the work) is allocated outside the step's scope. On CUDA the process
-    group's references are what keeps a buffer alive on its stream: left as they are."""
-    router = loaded()
-    if output.device.type != "cpu" or router is None:
+    of the buffers, and what it allocates itself is allocated outside the step's scope. On
+    CUDA the process group's references are what keeps a buffer alive on its stream: left as
+    they are."""
+    router = _routed_cpu(output)
+    if router is None:
         return run(output, input)
     scope = router.suspend()
     try:
@@ -167,6 +183,72 @@ def _collective(run: Callable[..., Any], output: torch.Tensor, input: torch.Tens
     finally:
         if scope:
             router.resume(scope)
+
+
+def _all_gather_in_place(
+    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
+) -> Any:
+    """Gloo's all-gather without its copies: gloo gathers into a flat tensor of the output's
+    size that its worker thread allocates, then copies it out, so beside the step's arena sat
+    a second output at a time of gloo's choosing. Here each rank's chunk of ``output`` is
+    broadcast from that rank in place (FSDP2 copied this rank's shard into its chunk: the
+    input is a view of it). Data moves, nothing is computed: the bytes are gloo's. Done when
+    it returns (FSDP2 then waits on no work)."""
+    import torch.distributed as dist
+
+    router = _routed_cpu(output)
+    if router is None or not output.is_contiguous():
+
+        def run(out: torch.Tensor, inp: torch.Tensor) -> Any:
+            return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+
+        return _collective(run, output, input)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = output.chunk(world)
+    if chunks[rank].data_ptr() != input.data_ptr():
+        chunks[rank].copy_(input.view_as(chunks[rank]))
+    scope = router.suspend()
+    try:
+        works = [
+            dist.broadcast(_alias(chunk), group=group, group_src=r, async_op=True)
+            for r, chunk in enumerate(chunks)
+        ]
+        for work in works:
+            work.wait()
+    finally:
+        if scope:
+            router.resume(scope)
+    return None
+
+
+def _reduce_scatter_in_place(
+    output: torch.Tensor, input: torch.Tensor, group: Any, op: Any, async_op: bool
+) -> Any:
+    """Gloo's reduce-scatter without its copy: gloo clones the input, all-reduces the clone
+    and copies this rank's chunk out, the clone freed when gloo's worker thread drops its
+    work. Here the input itself is all-reduced (FSDP2 reads its reduce-scatter input no more:
+    it keeps it only to free it later) and this rank's chunk copied out: the same all-reduce
+    on the same values, so the same bits. Done when it returns."""
+    import torch.distributed as dist
+
+    router = _routed_cpu(output)
+    if router is None or not input.is_contiguous():
+
+        def run(out: torch.Tensor, inp: torch.Tensor) -> Any:
+            return dist.reduce_scatter_single(
+                output=out, input=inp, group=group, op=op, async_op=async_op
+            )
+
+        return _collective(run, output, input)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    scope = router.suspend()
+    try:
+        dist.all_reduce(_alias(input), op=op, group=group)
+    finally:
+        if scope:
+            router.resume(scope)
+    output.copy_(input.chunk(world)[rank].view_as(output))
+    return None
 
 
 def _allocate(
@@ -179,8 +261,9 @@ def _allocate(
 
 @functools.cache
 def _comms() -> tuple[type, type]:
-    """FSDP2's default collectives, handing the process group aliases that own nothing (made
-    at first use: importing FSDP2 costs seconds that ``import sharedmem`` should not)."""
+    """FSDP2's default collectives, handing the process group aliases that own nothing, and
+    on CPU without gloo's copies (made at first use: importing FSDP2 costs seconds that
+    ``import sharedmem`` should not)."""
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
@@ -194,10 +277,7 @@ def _comms() -> tuple[type, type]:
             group: dist.ProcessGroup,
             async_op: bool = False,
         ) -> Any:
-            def run(out: torch.Tensor, inp: torch.Tensor) -> Any:
-                return dist.all_gather_single(out, inp, group=group, async_op=async_op)
-
-            return _collective(run, output_tensor, input_tensor)
+            return _all_gather_in_place(output_tensor, input_tensor, group, async_op)
 
     class AliasedReduceScatter(ReduceScatter):
         allocate = staticmethod(_allocate)
@@ -210,11 +290,6 @@ def _comms() -> tuple[type, type]:
             op: Any,
             async_op: bool = False,
         ) -> Any:
-            def run(out: torch.Tensor, inp: torch.Tensor) -> Any:
-                return dist.reduce_scatter_single(
-                    output=out, input=inp, group=group, op=op, async_op=async_op
-                )
-
-            return _collective(run, output_tensor, input_tensor)
+            return _reduce_scatter_in_place(output_tensor, input_tensor, group, op, async_op)
 
     return AliasedAllGather, AliasedReduceScatter
