@@ -214,6 +214,12 @@ class Route:
                 self.guided = guide is not None
                 if grown_from is not None and lane == self._arena:
                     arenas.mark_passing(self._arena, id(self), grown_from)
+                if guide is None and self._reach(lane, fences):
+                    # The arena's room above the held tensors is given back first: the call
+                    # is served there by best fit and the arena grown over what it served
+                    # (``_cover``), eager's peak in this state, not the arena the training
+                    # steps made, however much larger.
+                    self._trim_passing(router, 0)
                 before = self._host.device_capacity(lane)
                 room = self._room(lane)
                 reach = self._reach(lane, fences) if guide is None and room is not None else 0
@@ -253,6 +259,11 @@ class Route:
                 return
             if planned.passing_from is not None and lane == self._arena:
                 arenas.mark_passing(self._arena, id(self), planned.passing_from)
+                self._trim_passing(router, planned.plan.need)
+            elif self._reach(lane, fences):
+                # An evaluation while tensors are held in an arena larger than it and them
+                # need (the training steps made it): the room above the plan's need is given
+                # back for the call, and the next training call's plan grows it again.
                 self._trim_passing(router, planned.plan.need)
             if self._captured_from is not None and lane == self._arena:
                 # The measurements' growth (zeros of parameters the step does not copy):
