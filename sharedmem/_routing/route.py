@@ -695,7 +695,11 @@ class Route:
             return capacity
         if not host.stable_address and arena_live_bytes(host, self._arena):
             return capacity  # growing would move the held tensors
-        limit = sum(high - low for low, high in fences) + recording.live_peak()
+        # Eager's peak in this state, in whole pages (the arena's unit: rounded down, a
+        # packing at max-live above the held bytes would miss it by a few bytes and leave
+        # most of the call beside the arena).
+        held = sum(high - low for low, high in fences)
+        limit = round_up(held + recording.live_peak(), host.granularity)
         room = host.growth_room(self._arena)
         limit = limit if room is None else min(limit, room)
         return max(capacity, limit // host.granularity * host.granularity)
