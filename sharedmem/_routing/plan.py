@@ -27,7 +27,10 @@ whole step (a gradient the user still holds, a tensor an earlier step kept), pac
 What outlives the step may be placed too (``outliving``: the indices the route learned are
 freed before its next call, as gradients set to ``None`` by ``zero_grad()`` and the loss are):
 such an allocation is live from its tick to the step's end, and a later step finds it as a
-fence while the user holds it.
+fence while the user holds it. Where a packing of the same arena has them together at its
+bottom (the exact search, asked once more), the chosen plan is that one: the room they leave
+free while held is then one range up to the arena's top, which a call made meanwhile (an
+evaluation before ``zero_grad()``) packs into and grows from whole.
 
 The arena is reserved for the whole step, while what outlives the step and is left out
 is PyTorch's and grows during backward, often while the arena is full of activations: the

@@ -36,8 +36,12 @@ An optimizer's state is neither: the step that makes it runs with the scope set 
 Plans are kept per set of fences (a few): a loop whose evaluation runs while the gradients
 of its training step are held plans the evaluation once around them (growing the arena, where
 that lowers the evaluation's peak, up to the held bytes and its own peak: eager's in that
-state; a traced evaluation's first call there is planned before it runs by the same rule),
-and one that evaluates after ``zero_grad()`` plans it once over the whole arena. A
+state, in whole pages; a traced evaluation's first call there is planned before it runs by
+the same rule). Where the arena is larger than the held bytes and the evaluation need (the
+training steps made it), each of its calls gives back the room above what it uses first (the
+first call: above the held tensors, the arena grown over what it served), so that it holds
+what eager holds in that state, not the arena; the next training call grows it again to its
+own plan. One that evaluates after ``zero_grad()`` plans it once over the whole arena. A
 training step's passing state (accumulation) never grows it. When another route grows the arena
 a plan is made again for the arena as it is, without growing it; the recording is never
 redone for that.
