@@ -27,7 +27,10 @@ whole step (a gradient the user still holds, a tensor an earlier step kept), pac
 What outlives the step may be placed too (``outliving``: the indices the route learned are
 freed before its next call, as gradients set to ``None`` by ``zero_grad()`` and the loss are):
 such an allocation is live from its tick to the step's end, and a later step finds it as a
-fence while the user holds it.
+fence while the user holds it. Where a packing of the same arena has them together at its
+bottom (the exact search, asked once more), the chosen plan is that one: the room they leave
+free while held is then one range up to the arena's top, which a call made meanwhile (an
+evaluation before ``zero_grad()``) packs into and grows from whole.
 
 The arena is reserved for the whole step, while what outlives the step and is left out
 is PyTorch's and grows during backward, often while the arena is full of activations: the
@@ -49,7 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .pack import lifted, lowest_packing, merged
+from .pack import lifted, lowest_packing, merged, pack_under
 
 __all__ = [
     "Fences",
@@ -416,7 +419,60 @@ def choose_plan(
     if paged.routed_bytes > strict.routed_bytes:
         strict = paged
     tolerant = _best(*candidates, alone + tolerance, tolerance)
-    return strict if 2 * strict.routed_bytes >= tolerant.routed_bytes else tolerant
+    chosen = strict if 2 * strict.routed_bytes >= tolerant.routed_bytes else tolerant
+    return _kept_below(recording, chosen, granularity=granularity, ceiling=ceiling, fences=fences)
+
+
+def _kept_below(
+    recording: Recording,
+    plan: RoutePlan,
+    *,
+    granularity: int,
+    ceiling: int | None,
+    fences: Fences,
+) -> RoutePlan:
+    # ``plan``, or a plan of the same arena (its need in whole granules) in which the
+    # allocations live at the step's last tick (``placeable``'s outliving ones: gradients,
+    # the loss) lie together at the arena's bottom, so that the room they leave free while
+    # the user holds them is one range up to the arena's top, which a call made then (an
+    # evaluation before ``zero_grad()``) packs into and grows from as one. Placed between
+    # activations, they split it: GPT-2's gradients sat mid-arena with 512 KB free on either
+    # side, and an evaluation at twice the batch needed 1.17x eager's peak. Found by the
+    # exact search with one more allocation at that tick, fixed above them, filling the
+    # arena: only where every allocation is placed, on an arena no fence holds.
+    sizes, starts, ends = recording.sizes, recording.alloc_at, recording.free_at
+    candidates = [i for i in range(len(sizes)) if ends[i] >= 0 and sizes[i] > 0]
+    if fences or not candidates or any(plan.offsets[i] < 0 for i in candidates):
+        return plan
+    last = max(ends[i] for i in candidates)
+    aligned = [-(-sizes[i] // ALIGN) * ALIGN for i in candidates]
+    kept = [k for k, i in enumerate(candidates) if ends[i] == last]
+    spans = merged([(plan.offsets[candidates[k]], plan.offsets[candidates[k]] + aligned[k])
+                    for k in kept])  # fmt: skip
+    if len(spans) == 1 and spans[0][0] == 0:
+        return plan  # together at the bottom already
+    height = -(-plan.need // granularity) * granularity
+    if ceiling is not None:
+        height = min(height, ceiling)
+    height = max(plan.need, height // ALIGN * ALIGN)
+    held = sum(aligned[k] for k in kept)
+    if height <= held:
+        return plan
+    n = len(candidates)
+    found = pack_under(
+        [*aligned, height - held],
+        [*(starts[i] for i in candidates), last - 1],
+        [*(ends[i] for i in candidates), last],
+        height,
+        fixed=[-1] * n + [held],
+        steps=min(_EXACT_STEPS, _EXACT_EACH * n + 256),
+    )
+    if found is None:
+        return plan
+    offsets = [-1] * len(sizes)
+    for i, offset in zip(candidates, found, strict=False):
+        offsets[i] = offset
+    return _described(recording, offsets)
 
 
 def _best(
