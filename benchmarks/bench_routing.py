@@ -4,7 +4,8 @@ forward and backward (no tracing), against the same code without it, side by sid
 Per model and per gradient state at the step's start (``None``, as after
 ``zero_grad()``; present, as after ``zero_grad(set_to_none=False)`` or during accumulation):
 
-- the share of the step's dying allocations served from the arena (the router's counts);
+- the share of the step's allocation bytes served from the arena (the router's counts; what
+  outlives the step, the gradients made with ``None`` and the loss, counts on both sides);
 - the step's peak, pooled / eager: the allocator's events (DESIGN §8), plus the pool's reserved
   bytes for the pooled step;
 - the arena against the max-live lower bound of what it serves;
@@ -89,12 +90,12 @@ def measure(name: str, build: Callable[[], Any], present: bool, reps: int = 7) -
             run()
             times[label].append(time.perf_counter() - start)
     assert route.plan is not None and route.recording is not None
-    dying = route.recording.total_bytes - route.recording.outliving_bytes
+    allocated = route.recording.total_bytes
     served = route.last.get("served_bytes", 0)  # of the last call, not a profiled one
     return {
         "model": name,
         "grads": "present" if present else "None",
-        "served": served / dying if dying else 1.0,
+        "served": served / allocated if allocated else 1.0,
         "peak": pooled_peak / eager_peak,
         "arena_over_max_live": route.plan.need / route.plan.lower_bound - 1
         if route.plan.lower_bound
