@@ -7,7 +7,7 @@ backward, gradients ``None`` at its start (``zero_grad()``, PyTorch's default lo
 present (``--grads present``: zeroed in place, as in accumulation):
 
 - bit-exact: every gradient of a seeded step equal to eager's, for ``aot_eager`` and ours;
-- served: the share of the compiled graphs' dying allocations served from the arena (the
+- served: the share of the compiled graphs' allocation bytes served from the arena (the
   router's counts of the last call of each graph);
 - peak: the allocator's events (DESIGN §8) while the step runs, relative to what was live at
   its start, plus the pool's reserved bytes for pooled runs; as a ratio to eager's;
@@ -130,20 +130,20 @@ def measure(
     # The process's CPU time: what other processes on a loaded machine change least.
     cpu_median = {label: statistics.median(t) for label, t in cpu.items()}
 
-    served = dying = 0
+    served = allocated = 0
     for graph in backend.graphs:
         for route in graph.routes():
             if route.recording is None or not route.last:
                 continue
             served += route.last.get("served_bytes", 0)
-            dying += route.recording.total_bytes - route.recording.outliving_bytes
+            allocated += route.recording.total_bytes
     stats = pool.stats()
     return {
         "model": name,
         "exact_aot": exact("aot_eager"),
         "exact_ours": exact("ours"),
         "exact_block": exact("pool.step"),
-        "served": served / dying if dying else 1.0,
+        "served": served / allocated if allocated else 1.0,
         "peak_aot": peaks["aot_eager"] / peaks["eager"],
         "peak_ours": peaks["ours"] / peaks["eager"],
         "peak_block": peaks["pool.step"] / peaks["eager"],
