@@ -207,7 +207,7 @@ def _measure_fsdp_compiled(rank: int, name: str, quick: bool) -> dict[str, float
 
         return run
 
-    for _ in range(4):  # compiled, recorded, planned
+    for _ in range(4):  # compiled and recorded, then replayed (and warm)
         step(compiled)()
     before = pool.stats()
     rounds, number = (5, 3) if quick else (21, 5)

@@ -127,6 +127,40 @@ def test_training_equals_eager_and_the_arena_serves(
     assert "act.0" in pool.names()
 
 
+def test_blocks_compiled_apart_replay_from_the_second_step() -> None:
+    # Each block its own torch.compile (as torchtitan compiles a model): the first step's
+    # span is open while the later blocks compile, and while AOTAutograd compiles each
+    # backward graph at the first backward pass. What compiling allocates is set aside,
+    # PyTorch's: recorded with the step, the second step left the plan made from the
+    # first (served by PyTorch beside an arena reserved for the whole step), the third
+    # recorded again, and only the fourth replayed.
+    torch.manual_seed(0)
+    pool = sm.BufferPool("cpu")
+    model = nn.Sequential(_mlp(), nn.Tanh(), nn.Linear(4, 16), _mlp())
+    twin = copy.deepcopy(model)
+    backend = compile_backend(pool)
+    torch._dynamo.reset()  # clears Dynamo's callbacks: the backend installs its own again
+    for i in (0, 3):
+        twin[i] = torch.compile(twin[i], backend=backend)
+    for step in range(4):
+        x = torch.randn(8, 16)
+        losses = []
+        for m in (model, twin):
+            m.zero_grad()
+            loss = _square_mean(m, x)
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(*losses), step
+        for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            assert torch.equal(a.grad, b.grad), (step, name)
+    stats = pool.stats()
+    assert len(backend.graphs) == 4  # two blocks, each a forward and a backward graph
+    counts = {k: stats.get(k, 0) for k in ("recorded_calls", "replayed_calls", "diverged_calls")}
+    assert counts == {"recorded_calls": 1, "replayed_calls": 3, "diverged_calls": 0}, stats
+    assert stats["arena_served_bytes"] > 0
+
+
 @pytest.mark.parametrize(
     "partition", ["default", sm.Recompute.MOST], ids=["default", "recompute-most"]
 )

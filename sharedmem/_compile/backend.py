@@ -35,6 +35,7 @@ from .._executor.policy import Recompute
 from .._pool import BufferPool
 from .._routing import Route, routes_on
 from .._validate import check_name
+from . import compiling
 
 __all__ = ["PARTITIONS", "SPANS", "PoolBackend", "PooledGraph", "StepSpans", "compile_backend"]
 
@@ -193,6 +194,7 @@ class StepSpans:
             return list(self._routes.values())
 
     def _enter(self, route: Route) -> None:
+        compiling.install()  # the blocks compiled inside the span (a reset cleared it)
         scope = route.scope()
         scope.__enter__()
         self._open.scope = scope
@@ -250,6 +252,8 @@ class PoolBackend:
         self.graphs: list[PooledGraph] = []
         self._numbers = itertools.count()
         self.__name__ = f"sharedmem_{name}"  # Dynamo names a backend by it
+        # What compiling allocates inside a span or a pool.step() is set aside (compiling).
+        compiling.install()
 
     def __call__(
         self, gm: GraphModule, example_inputs: list[Any], **kwargs: Any
@@ -258,6 +262,7 @@ class PoolBackend:
 
         number = next(self._numbers)
         routed = routes_on(self.pool)
+        compiling.install()  # for the compilations after this one (a reset cleared it)
 
         def compiler(kind: _Kind) -> Callable[[GraphModule, Any], Any]:
             def compile_graph(graph: GraphModule, _example: Any) -> Any:
