@@ -438,7 +438,10 @@ class _WalkedStack:
 def _frames_walked() -> Iterator[None]:
     """Node stacks taken by ``_WalkedStack`` while this traces (under ``_LOCK``)."""
     names = vars(fx_proxy)
-    captured = names["CapturedTraceback"]
+    captured = names.get("CapturedTraceback")
+    if captured is None:  # a torch that takes node stacks otherwise: its own way
+        yield
+        return
     names["CapturedTraceback"] = _WalkedStack
     try:
         yield
