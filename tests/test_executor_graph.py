@@ -115,3 +115,46 @@ def test_pointwise_and_reduction_out_kernels_write_through_any_strides() -> None
         rule.out_op(*args, **dict(zip(rule.out_names, outs, strict=True)))
         for out, e in zip(outs, expected, strict=True):
             assert torch.equal(out, e), op
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.GRU(4, 6, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x.tanh())
+        return _helper(self.head(out))
+
+
+def _helper(y: torch.Tensor) -> torch.Tensor:
+    return y.softmax(-1) * 2
+
+
+def test_node_stacks_walked_from_the_frames_are_the_ones_torch_symbolizes() -> None:
+    # trace.py takes each node's stack trace by walking Python's frames (_WalkedStack), not
+    # by torch's capture of the whole stack: every node of a joint forward+backward trace
+    # (a module in a module, a GRU, a helper function) has the same stack_trace either way.
+    from sharedmem._executor.trace import _frames_walked
+
+    model = torch.nn.Sequential(_Block(), torch.nn.Linear(3, 2)).double()
+    names = [name for name, _ in model.named_parameters()]
+
+    def step(x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
+        out = torch.func.functional_call(model, dict(zip(names, weights, strict=True)), (x,))
+        loss = out.square().mean()
+        return [loss, *torch.autograd.grad(loss, weights)]
+
+    def stacks() -> list[tuple[str, object]]:
+        x = torch.randn(2, 5, 4, dtype=torch.float64)
+        weights = [p.detach().requires_grad_() for p in model.parameters()]
+        gm = make_fx(step, tracing_mode="fake", record_stack_traces=True)(x, *weights)
+        return [(n.name, n.meta.get("stack_trace")) for n in gm.graph.nodes]
+
+    symbolized = stacks()
+    with _frames_walked():
+        walked = stacks()
+    assert walked == symbolized
+    named = [trace for _, trace in symbolized if trace]
+    assert len(named) > 20 and any("_helper" in trace for trace in named)  # type: ignore[operator]

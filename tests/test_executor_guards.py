@@ -395,6 +395,11 @@ import json, os, signal, sys, threading, time, traceback
 signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 import torch, sharedmem as sm  # imported once: each delay runs in a fork of this process
+# What torch imports at a first trace (dynamo, and with it FSDP2): an interrupt inside one of
+# torch's own imports leaves torch, not the package, broken for good (FSDP2's collectives
+# half-registered: "Only a single TORCH_LIBRARY ..." at every later import), which no
+# capture can undo; this test is about the package's state after an interrupt.
+import torch._dynamo, torch.distributed.fsdp  # noqa: F401
 def call():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     step = sm.pooled_train_step(model, torch.nn.functional.mse_loss, pool=sm.BufferPool("cpu"))

@@ -13,15 +13,19 @@ draw from the global generator in eager order. Tensors the forward stores on the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import torch
+import torch.fx.proxy as fx_proxy
 import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import (
@@ -388,6 +392,63 @@ def _byte_sizes(gm: GraphModule) -> Iterator[Any]:
                     yield n.node.expr if isinstance(n, torch.SymInt) else int(n)
 
 
+class _WalkedStack:
+    """Stands in for ``torch.utils._traceback.CapturedTraceback`` where torch.fx's tracer
+    takes each node's stack (``torch.fx.proxy``): the same frames, read from Python's frame
+    objects instead of captured and symbolized whole. That tracer keeps, of a node's stack,
+    the frames of functions named ``forward`` and of its registered anchors
+    (``_record_forward_stack_traces_only``, as ``make_fx`` sets it): only those are read, so a
+    node costs a walk up its stack, not the symbolizing of every frame of it, which under a
+    deep stack (a test runner's, a training loop's) was a quarter of tracing time. Any other
+    tracer gets every frame, as it would have."""
+
+    def __init__(self, frame: FrameType | None, only_forward: bool) -> None:
+        self._frame = frame
+        self._only_forward = only_forward
+
+    @classmethod
+    def extract(cls, **_: Any) -> _WalkedStack:
+        caller = sys._getframe(1)  # the tracer's create_node
+        tracer = caller.f_locals.get("self")
+        return cls(caller, bool(getattr(tracer, "_record_forward_stack_traces_only", False)))
+
+    def summary(self) -> traceback.StackSummary:
+        anchors = fx_proxy._STACK_TRACE_ANCHORS
+        frames = []
+        frame = self._frame
+        while frame is not None:
+            code = frame.f_code
+            if (
+                not self._only_forward
+                or code.co_name == "forward"
+                or code.co_filename.endswith("torch/__init__.py")
+                or (code.co_filename, code.co_name) in anchors
+            ):
+                frames.append(
+                    traceback.FrameSummary(
+                        code.co_filename, frame.f_lineno, code.co_name, lookup_line=False
+                    )
+                )
+            frame = frame.f_back
+        frames.reverse()  # outermost first, as a traceback lists them
+        return traceback.StackSummary.from_list(frames)
+
+
+@contextlib.contextmanager
+def _frames_walked() -> Iterator[None]:
+    """Node stacks taken by ``_WalkedStack`` while this traces (under ``_LOCK``)."""
+    names = vars(fx_proxy)
+    captured = names.get("CapturedTraceback")
+    if captured is None:  # a torch that takes node stacks otherwise: its own way
+        yield
+        return
+    names["CapturedTraceback"] = _WalkedStack
+    try:
+        yield
+    finally:
+        names["CapturedTraceback"] = captured
+
+
 def _trace(
     fn: Callable[..., Any],
     flat: list[torch.Tensor],
@@ -396,11 +457,12 @@ def _trace(
     given: str,
 ) -> GraphModule:
     try:
-        with _LOCK, quiet_fake_tensor_failures():  # said below in one line, not torch's 25
-            # Module attributes that are plain tensors reached only through containers
-            # (lists, dicts) are real tensors inside the fake trace: graph constants.
-            # Stack traces (a few percent of tracing time) let errors found in the graph name
-            # the model's source line.
+        # Errors said below in one line, not torch's 25. Module attributes that are plain
+        # tensors reached only through containers (lists, dicts) are real tensors inside the
+        # fake trace: graph constants. Stack traces let errors found in the graph name the
+        # model's source line (_WalkedStack: the frames they keep, without symbolizing the
+        # whole stack).
+        with _LOCK, quiet_fake_tensor_failures(), _frames_walked():
             gm = make_fx(
                 fn, tracing_mode="fake", _allow_non_fake_inputs=True, record_stack_traces=True
             )(*flat)
