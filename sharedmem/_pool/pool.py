@@ -412,9 +412,7 @@ class BufferPool:
         such tensors are held (an evaluation before ``zero_grad()``) is planned around them, once,
         and may grow the arena up to the peak eager holds in that state (the held bytes and its own)
         where that lowers its peak (its first run too: it is served past the arena's bytes, in
-        the pages the arena's address range reserved, and the arena grown over what it served);
-        where the arena is larger than that, the room above what the block uses is given back
-        for it, and the next training block grows it again.
+        the pages the arena's address range reserved, and the arena grown over what it served).
         An ``optimizer.step()`` in the block that makes the optimizer's
         state (its first step, or a parameter's first gradient) runs as without the pool, so that
         the state, which lives across steps, is never in the arena; the temporaries of its later

@@ -37,11 +37,9 @@ Plans are kept per set of fences (a few): a loop whose evaluation runs while the
 of its training step are held plans the evaluation once around them (growing the arena, where
 that lowers the evaluation's peak, up to the held bytes and its own peak: eager's in that
 state, in whole pages; a traced evaluation's first call there is planned before it runs by
-the same rule). Where the arena is larger than the held bytes and the evaluation need (the
-training steps made it), each of its calls gives back the room above what it uses first (the
-first call: above the held tensors, the arena grown over what it served), so that it holds
-what eager holds in that state, not the arena; the next training call grows it again to its
-own plan. One that evaluates after ``zero_grad()`` plans it once over the whole arena. A
+the same rule). Where the arena is larger than that (the training steps made it), nothing
+is given back: the pool frees nothing unless asked, and the next training call needs it
+again. One that evaluates after ``zero_grad()`` plans it once over the whole arena. A
 training step's passing state (accumulation) never grows it. When another route grows the arena
 a plan is made again for the arena as it is, without growing it; the recording is never
 redone for that.
@@ -218,12 +216,6 @@ class Route:
                 self.guided = guide is not None
                 if grown_from is not None and lane == self._arena:
                     arenas.mark_passing(self._arena, id(self), grown_from)
-                if guide is None and self._reach(lane, fences):
-                    # The arena's room above the held tensors is given back first: the call
-                    # is served there by best fit and the arena grown over what it served
-                    # (``_cover``), eager's peak in this state, not the arena the training
-                    # steps made, however much larger.
-                    self._trim_passing(router, 0)
                 before = self._host.device_capacity(lane)
                 room = self._room(lane)
                 reach = self._reach(lane, fences) if guide is None and room is not None else 0
@@ -263,11 +255,6 @@ class Route:
                 return
             if planned.passing_from is not None and lane == self._arena:
                 arenas.mark_passing(self._arena, id(self), planned.passing_from)
-                self._trim_passing(router, planned.plan.need)
-            elif self._reach(lane, fences):
-                # An evaluation while tensors are held in an arena larger than it and them
-                # need (the training steps made it): the room above the plan's need is given
-                # back for the call, and the next training call's plan grows it again.
                 self._trim_passing(router, planned.plan.need)
             if self._captured_from is not None and lane == self._arena:
                 # The measurements' growth (zeros of parameters the step does not copy):
@@ -699,11 +686,10 @@ class Route:
             return capacity
         if not host.stable_address and arena_live_bytes(host, self._arena):
             return capacity  # growing would move the held tensors
-        # Eager's peak in this state, in whole pages (the arena's unit: rounded down, a
-        # packing at max-live above the held bytes would miss it by a few bytes and leave
-        # most of the call beside the arena).
-        held = sum(high - low for low, high in fences)
-        limit = round_up(held + recording.live_peak(), host.granularity)
+        # Eager's peak in this state, rounded down to whole granules: rounded up, the plan's
+        # one-granule slack grew the arena for a call whose plan fits the room it has (a
+        # distributed demo's evaluation added a 1 MiB granule on every rank).
+        limit = sum(high - low for low, high in fences) + recording.live_peak()
         room = host.growth_room(self._arena)
         limit = limit if room is None else min(limit, room)
         return max(capacity, limit // host.granularity * host.granularity)
