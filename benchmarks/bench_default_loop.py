@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import harness  # noqa: F401  (its import quiets Kineto's per-profile log lines)
 import zoo as zoo_module
 from bench_routing import _call, _loss
 

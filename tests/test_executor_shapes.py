@@ -85,9 +85,8 @@ def run_both(
     loss and gradient equal bit for bit, step after step (with AdamW between)."""
     eager, pooled = model, copy.deepcopy(model)
     pool = sm.BufferPool("cpu")
-    step = sm.pooled_train_step(pooled, lm_loss, pool=pool)
+    step = sm.pooled_train_step(pooled, lm_loss, pool=pool, recompute=sm.Recompute.adding(heavy))
     step.routing = routing
-    step.recompute_heavy = heavy
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, pooled)]
     for i, (b, t) in enumerate(shapes):
         x, y = batch(b, t, i)
