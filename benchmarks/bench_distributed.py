@@ -112,6 +112,16 @@ def _sharded(make: Callable[[], nn.Module], mesh: object) -> nn.Module:
     return model
 
 
+def _least_peak(model: nn.Module, run: Callable[[], None]) -> int:
+    """The least of three allocator-event peaks of ``run``, gradients zeroed before each (gloo's
+    worker thread allocates at times of its own, which moves a single reading)."""
+    peaks = []
+    for _ in range(3):
+        model.zero_grad()
+        peaks.append(allocator_peak(run))
+    return min(peaks)
+
+
 def _measure_fsdp(rank: int, name: str, quick: bool) -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -147,16 +157,8 @@ def _measure_fsdp(rank: int, name: str, quick: bool) -> dict[str, float]:
     # it drops the work, so a step's peak varies by how the threads ran (in both steps). The
     # gradients set to None before, outside the measured step, as for DDP above: freed inside
     # it, the previous step's sharded gradients would lower the figure by their bytes.
-    def peak(model: nn.Module, step: Callable[[], None]) -> int:
-        peaks = []
-        for _ in range(3):
-            model.zero_grad()
-            peaks.append(allocator_peak(step))
-        return min(peaks)
-
-    eager_peak = peak(eager, lambda: loss_fn(eager(x), y).backward())
-
-    pooled_peak = peak(pooled, lambda: step(x, y)) + pool.stats()["reserved_bytes"]
+    eager_peak = _least_peak(eager, lambda: loss_fn(eager(x), y).backward())
+    pooled_peak = _least_peak(pooled, lambda: step(x, y)) + pool.stats()["reserved_bytes"]
     stats = pool.stats()
     calls = max(stats.get("replayed_calls", 0), 1)
     return {
@@ -215,15 +217,11 @@ def _measure_fsdp_compiled(rank: int, name: str, quick: bool) -> dict[str, float
         {"eager": step(eager), "pooled": step(compiled)}, rounds=rounds, number=number
     )
 
-    def peak(model: nn.Module) -> int:  # the least of three, as in _measure_fsdp
-        peaks = []
-        for _ in range(3):
-            model.zero_grad()
-            peaks.append(allocator_peak(lambda: loss_fn(model(x), y).backward()))
-        return min(peaks)
+    def backward(model: nn.Module) -> Callable[[], None]:
+        return lambda: loss_fn(model(x), y).backward()
 
-    eager_peak = peak(eager)
-    pooled_peak = peak(compiled) + pool.stats()["reserved_bytes"]
+    eager_peak = _least_peak(eager, backward(eager))
+    pooled_peak = _least_peak(compiled, backward(compiled)) + pool.stats()["reserved_bytes"]
     stats = pool.stats()
     since = {k: stats.get(k, 0) - before.get(k, 0) for k in stats}
     calls = max(since.get("replayed_calls", 0), 1)  # every call after the warm-up

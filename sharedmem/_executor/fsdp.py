@@ -38,8 +38,9 @@ the hook there) and a collective of the user's own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -177,9 +178,17 @@ def _collective(run: Callable[..., Any], output: torch.Tensor, input: torch.Tens
     router = _routed_cpu(output)
     if router is None:
         return run(output, input)
+    with _scope_set_aside(router):
+        return run(_alias(output), _alias(input))
+
+
+@contextlib.contextmanager
+def _scope_set_aside(router: Any) -> Iterator[None]:
+    """This thread's routed scope set aside while the process group runs: what it allocates
+    for itself is not the step's."""
     scope = router.suspend()
     try:
-        return run(_alias(output), _alias(input))
+        yield
     finally:
         if scope:
             router.resume(scope)
@@ -207,17 +216,13 @@ def _all_gather_in_place(
     chunks = output.chunk(world)
     if chunks[rank].data_ptr() != input.data_ptr():
         chunks[rank].copy_(input.view_as(chunks[rank]))
-    scope = router.suspend()
-    try:
+    with _scope_set_aside(router):
         works = [
             dist.broadcast(_alias(chunk), group=group, group_src=r, async_op=True)
             for r, chunk in enumerate(chunks)
         ]
         for work in works:
             work.wait()
-    finally:
-        if scope:
-            router.resume(scope)
     return None
 
 
@@ -241,12 +246,8 @@ def _reduce_scatter_in_place(
 
         return _collective(run, output, input)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    scope = router.suspend()
-    try:
+    with _scope_set_aside(router):
         dist.all_reduce(_alias(input), op=op, group=group)
-    finally:
-        if scope:
-            router.resume(scope)
     output.copy_(input.chunk(world)[rank].view_as(output))
     return None
 
