@@ -300,7 +300,7 @@ def pooled_fsdp2_step_peaks_at_eager_fsdp2s(rank: int, world: int) -> None:
     assert max(pooled_peaks) <= min(eager_peaks) + pool.granularity, (pooled_peaks, eager_peaks)
 
 
-@case(2)
+@case(2, 4)
 def compile_backend_on_fsdp2_equals_eager(rank: int, world: int) -> None:
     # torch.compile with the pool's backend on an FSDP2 model, compiled the way torchtitan
     # compiles one: each block its own torch.compile, then fully_shard on each and at the root
@@ -493,7 +493,7 @@ def test_a_pooled_fsdp2_step_peaks_at_eager_fsdp2s(ranks: Ranks) -> None:
 
 
 @pytest.mark.timeout(worlds.TIMEOUT_S)
-@pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks")], indirect=True)
+@pytest.mark.parametrize("ranks", [pytest.param(2, id="2-ranks"), FOUR], indirect=True)
 def test_the_compile_backend_on_an_fsdp2_model_equals_eager_fsdp2(ranks: Ranks) -> None:
     _check(ranks, "compile_backend_on_fsdp2_equals_eager")
 
