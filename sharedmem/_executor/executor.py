@@ -646,7 +646,7 @@ class Executor:
                 eager.add(i)
         over = {a: node for _, _, a, node in found if a in eager}
         left = [] if routed else [joined[j] for j, name in enumerate(names) if name is None]
-        beside_peak = routed_plan.beside_peak if routed else timeline_peak([*fresh, *left], horizon)
+        beside_peak = routed_plan.beside_peak if routed else timeline_peak([*fresh, *left])
         ops = [
             op_name(step.node.target)
             for step in analysis.steps
