@@ -633,9 +633,9 @@ class Executor:
             else:
                 alone = need
         else:  # the one-buffer-per-node baseline pools everything
-            every, need = assign_slots(joined, existing, share=False, prefix=self.prefix)
+            every, need = assign_slots(joined, existing, prefix=self.prefix)
             names = list(every)
-            alone = assign_slots(joined, {}, share=False, prefix=self.prefix)[1]
+            alone = assign_slots(joined, {}, prefix=self.prefix)[1]
         slots: list[str | None] = [None] * len(analysis.lifetimes)
         where = [0] * len(analysis.lifetimes)
         eager: set[int] = set()
