@@ -10,8 +10,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sharedmem._executor.placement import place, timeline_peak
+from sharedmem._executor.placement import intervals, place, timeline_peak
 from sharedmem._executor.plan import Lifetime
+from sharedmem._routing.plan import plan_offsets
 
 HORIZON = 60
 
@@ -58,7 +59,7 @@ def test_values_live_at_once_never_share_bytes_and_the_peak_never_rises(
                 assert at + a.nbytes <= bt or bt + b.nbytes <= at, (a, at, b, bt)
     assert got.arena % granularity == 0 and got.arena >= capacity
     beside = [*fresh, *(c for c, o in zip(candidates, got.offsets, strict=True) if o is None)]
-    assert got.beside_peak == timeline_peak(beside, HORIZON)
+    assert got.beside_peak == timeline_peak(beside)
     assert got.peak == reference_peak(got.arena, beside)
     # Nothing pooled is always a choice: the plan is never worse than eager's allocations.
     assert got.peak <= reference_peak(capacity, [*fresh, *candidates])
@@ -73,6 +74,18 @@ def test_the_ceiling_caps_the_arena_and_required_values_are_always_placed(
     assert all(got.offsets[i] is not None for i in must)
     if not must:
         assert got.arena <= max(ceiling, 0) or got.arena == 0
+
+
+@given(lifetimes(), lifetimes(10), st.sampled_from([0, 4096]))
+def test_values_that_must_be_pooled_pack_as_low_as_the_router_packs_them(
+    candidates: list[Lifetime], fresh: list[Lifetime], capacity: int
+) -> None:
+    # Outputs asked for as pool views: every one in the arena, so the packing is the peak.
+    every = frozenset(range(len(candidates)))
+    got = place(candidates, fresh, capacity, horizon=HORIZON, must=every)
+    assert all(offset is not None for offset in got.offsets)
+    routed = plan_offsets(intervals(candidates)).need
+    assert got.peak <= reference_peak(max(capacity, -(-routed // 16) * 16), fresh)
 
 
 def test_a_long_lived_value_and_two_later_ones_share_the_arena() -> None:
@@ -95,3 +108,11 @@ def test_a_later_graph_uses_the_arena_and_grows_it_only_to_lower_its_peak() -> N
     # A value bigger than the arena, live at the graph's busiest node: growing lowers the peak.
     bigger = place([Lifetime(20_000, 0, 3)], [Lifetime(500, 1, 1)], 8192, horizon=4)
     assert bigger.offsets == [0] and bigger.peak < 8192 + 20_500
+
+
+def test_values_that_must_be_pooled_pack_at_the_most_bytes_live_at_once() -> None:
+    # First fit, those live at the busiest node first and then largest first, stacks them
+    # 1024 bytes high; the router's packing meets the 704 bytes live at nodes 2 and 5 to 7.
+    values = [Lifetime(320, 0, 2), Lifetime(128, 0, 4), Lifetime(448, 5, 7), Lifetime(256, 2, 7)]
+    got = place(values, [], 0, horizon=8, must=frozenset(range(4)))
+    assert got.peak == timeline_peak(values) == 704

@@ -633,9 +633,9 @@ class Executor:
             else:
                 alone = need
         else:  # the one-buffer-per-node baseline pools everything
-            every, need = assign_slots(joined, existing, share=False, prefix=self.prefix)
+            every, need = assign_slots(joined, existing, prefix=self.prefix)
             names = list(every)
-            alone = assign_slots(joined, {}, share=False, prefix=self.prefix)[1]
+            alone = assign_slots(joined, {}, prefix=self.prefix)[1]
         slots: list[str | None] = [None] * len(analysis.lifetimes)
         where = [0] * len(analysis.lifetimes)
         eager: set[int] = set()
@@ -646,7 +646,7 @@ class Executor:
                 eager.add(i)
         over = {a: node for _, _, a, node in found if a in eager}
         left = [] if routed else [joined[j] for j, name in enumerate(names) if name is None]
-        beside_peak = routed_plan.beside_peak if routed else timeline_peak([*fresh, *left], horizon)
+        beside_peak = routed_plan.beside_peak if routed else timeline_peak([*fresh, *left])
         ops = [
             op_name(step.node.target)
             for step in analysis.steps

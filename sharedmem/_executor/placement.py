@@ -9,12 +9,14 @@ bytes live at once. So every byte of the step is put on one timeline: at node ``
 holds ``A + U(t)``, the arena's bytes ``A`` and the bytes ``U(t)`` of fresh results live then,
 and an intermediate is pooled only where that does not raise ``max_t A + U(t)``.
 
-A pooled intermediate gets a byte offset: the lowest one where no value live at the same time
-sits (first fit, largest values first, those live at the busiest node before the rest).
+A pooled intermediate gets a byte offset from the router's packers (``_routing.plan``; the
+values are its rows, ``intervals``): the lowest one where no value live at the same time sits
+(its first fit, largest values first, those live at the busiest node before the rest).
 Several packings are compared and the lowest peak wins: everything; one value at a time,
 refusing any growth of the arena that raises the peak (passes repeat, since a value refused
 early may fit beside values taken after it); arenas capped at fractions of the full packing's;
-and nothing at all. The first graph on an arena takes ties (a pooled result costs no
+everything as the router packs a step (``plan_offsets``: more orders, then its bounded exact
+search); and nothing at all. The first graph on an arena takes ties (a pooled result costs no
 allocation on later calls); a graph planned on an arena other graphs made grows it only where
 that lowers its own peak, so that, say, an evaluation after training adds nothing. What is
 not pooled runs as eager runs it, allocating.
@@ -32,10 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._routing.plan import Recording
+from .._routing.plan import ALIGN, Recording, _best_gap, plan_offsets
 from .plan import Lifetime
 
-__all__ = ["Placed", "as_recording", "place", "timeline_peak"]
+__all__ = ["Placed", "as_recording", "intervals", "place", "timeline_peak"]
 
 # The share of the step's peak kept free, beside a value the arena grows for, at the nodes
 # where that value is not live.
@@ -73,12 +75,15 @@ def place(
     *,
     horizon: int,
     granularity: int = 16,
-    align: int = 64,
     must: frozenset[int] = frozenset(),
     ceiling: int | None = None,
     establish: bool | None = None,
 ) -> Placed:
     """Choose the arena offset of each candidate, or none, for the lowest peak.
+
+    Every offset is a multiple of the router's ``ALIGN`` (64 bytes: any dtype views there),
+    found by the router's packers (``_routing.plan``): its first fit, and its own search for
+    the lowest packing of everything.
 
     Args:
         candidates: intermediates that may be pooled (each a whole value, in-place pairs
@@ -89,7 +94,6 @@ def place(
             for the first graph, which establishes the arena and so takes ties.
         horizon: the number of nodes; every ``end`` is below it.
         granularity: the arena's capacity is a whole multiple of this many bytes.
-        align: every offset is a multiple of this many bytes (any dtype views there).
         must: candidates that go into the arena whatever they cost (outputs the caller asked
             to get as pool views); they are placed first.
         ceiling: the most bytes the arena may grow to (the pool's limit): values that would
@@ -108,9 +112,10 @@ def place(
         >>> got.offsets, got.peak
         ([0, 0, 128], 256)
     """
+    rows, beside = intervals(candidates), intervals(fresh)
     # Values live at the step's busiest node first (the arena must hold them for the peak to
     # fall), then by size, largest first.
-    busiest = _busiest([*fresh, *candidates], horizon)
+    busiest = int(_timeline([rows, beside], horizon).argmax())
     order = sorted(
         range(len(candidates)),
         key=lambda i: (
@@ -125,11 +130,8 @@ def place(
     # The first graph on an arena takes the lower peak, ties going to the fuller arena; a
     # later graph takes the lower peak, ties going to the smaller arena.
     first = capacity == 0 if establish is None else establish
-    plans = [
-        _pack(candidates, fresh, capacity, order, horizon, (granularity, align), greedy, must,
-              ceiling, first)
-        for greedy in (False, True)
-    ]  # fmt: skip
+    step = _Step(rows, beside, horizon, granularity, order, must)
+    plans = [step.grow(capacity, greedy, ceiling, first) for greedy in (False, True)]
     # Arenas of a fixed fraction of the full packing's, filled largest first with what fits:
     # forward activations and backward temporaries share addresses where one at a time
     # could not see that it would (taking values one by one refuses the first of them).
@@ -137,113 +139,142 @@ def place(
     for eighth in range(1, 8):
         cap = max(capacity, _rounded(full * eighth // 8, granularity))
         limit = cap if ceiling is None else min(cap, ceiling)
-        plans.append(
-            _pack(candidates, fresh, capacity, order, horizon, (granularity, align), False,
-                  must, limit, first)
-        )  # fmt: skip
+        plans.append(step.grow(capacity, False, limit, first))
+    # The router's packing of everything: more orders than the one above, then its exact
+    # search (bounded) where they stay above the most bytes live at once.
+    routed = step.routed(capacity, ceiling)
+    if routed is not None:
+        plans.append(routed)
     # Pooling nothing is always a choice: with the arena's rounding to whole granules, a
     # small step may need less that way.
     if not must:
-        beside_all = timeline_peak([*fresh, *candidates], horizon) if horizon else 0
+        beside_all = timeline_peak([*fresh, *candidates]) if horizon else 0
         plans.append(Placed([None] * len(candidates), 0, capacity, beside_all))
     if not first:
         # A plan made as if the arena were new may use the arena other graphs made better
         # than one fitted around it: its offsets are as valid in a bigger arena.
         for greedy in (False, True):
-            alone = _pack(candidates, fresh, 0, order, horizon, (granularity, align), greedy,
-                          must, ceiling, False)  # fmt: skip
+            alone = step.grow(0, greedy, ceiling, False)
             plans.append(dataclasses.replace(alone, arena=max(alone.arena, capacity)))
         return min(plans, key=lambda p: (p.peak, p.arena))
     return min(plans, key=lambda p: (p.peak, -p.need))
 
 
-def _pack(
-    candidates: Sequence[Lifetime],
-    fresh: Sequence[Lifetime],
-    capacity: int,
-    order: Sequence[int],
-    horizon: int,
-    rounding: tuple[int, int],
-    greedy: bool,
-    must: frozenset[int],
-    ceiling: int | None,
-    establish: bool,
-) -> Placed:
-    granularity, align = rounding
-    beside = np.zeros(horizon, dtype=np.int64)
-    for life in (*fresh, *candidates):
-        beside[life.start : life.end + 1] += life.nbytes
-    arena = capacity
-    margin = int(_MARGIN * (arena + int(beside.max()) if horizon else 0))
-    offsets: list[int | None] = [None] * len(candidates)
-    placed: list[tuple[int, int, int, int]] = []  # (start, end, offset, bytes) of each taken
-    pending = list(order)
-    while pending:
-        refused: list[int] = []
-        for i in pending:
-            life = candidates[i]
-            size = _rounded(life.nbytes, align)
-            offset = _lowest_offset(placed, life, size)
-            grown = max(arena, offset + size)
-            if ceiling is not None and _rounded(grown, granularity) > ceiling and i not in must:
-                refused.append(i)
-                continue
-            if greedy and grown > arena and i not in must:
-                # More arena is reserved at every node: take it only where the peak holds.
-                # (Judged in bytes: the granularity's rounding costs less than one granule
-                # in all, where judging each value by it would refuse every first one.)
-                peak = arena + int(beside.max())
-                outside = max(_max(beside[: life.start]), _max(beside[life.end + 1 :]))
-                inside = int(beside[life.start : life.end + 1].max()) - life.nbytes
-                # Where the value is not live the arena's new bytes sit beside the rest: keep
-                # a margin there, since kernels' scratch is only modelled.
-                if grown + outside > peak - margin or grown + inside > peak:
-                    refused.append(i)
-                    continue
-                if grown + max(outside, inside) == peak and not establish:
-                    refused.append(i)
-                    continue
-            arena = grown
-            beside[life.start : life.end + 1] -= life.nbytes
-            placed.append((life.start, life.end, offset, size))
-            offsets[i] = offset
-        if len(refused) == len(pending):
-            break
-        pending = refused
-    need = max((offset + size for _, _, offset, size in placed), default=0)
-    reserved = _rounded(arena, granularity) if arena else 0
-    return Placed(offsets, need, reserved, int(beside.max()) if horizon else 0)
-
-
-def _lowest_offset(placed: Sequence[tuple[int, int, int, int]], life: Lifetime, size: int) -> int:
-    # First fit: the lowest gap, among values live at some node of ``life``, that holds it.
-    busy = sorted(
-        (offset, offset + nbytes)
-        for start, end, offset, nbytes in placed
-        if start <= life.end and life.start <= end
+def intervals(values: Sequence[Lifetime]) -> Recording:
+    """``values`` as the router's packers take them: each live over ticks ``[start, end + 1)``
+    (a node's index is its tick)."""
+    return Recording(
+        [life.nbytes for life in values],
+        [life.start for life in values],
+        [life.end + 1 for life in values],
     )
-    offset = 0
-    for low, high in busy:
-        if low - offset >= size:
-            break
-        offset = max(offset, high)
-    return offset
 
 
-def timeline_peak(values: Sequence[Lifetime], horizon: int) -> int:
+@dataclass(frozen=True)
+class _Step:
+    """One graph's values as ``place`` packs them: the candidates (``rows``), what always
+    allocates beside the arena, the order candidates are taken in, those that must go in."""
+
+    rows: Recording
+    beside: Recording
+    horizon: int
+    granularity: int
+    order: Sequence[int]
+    must: frozenset[int]
+
+    def grow(self, capacity: int, greedy: bool, ceiling: int | None, establish: bool) -> Placed:
+        """The candidates in ``order``, each at the router's first fit (``_best_gap``);
+        ``greedy``: refusing those that would grow the arena past the peak they lower."""
+        sizes, starts, ends = self.rows.sizes, self.rows.alloc_at, self.rows.free_at
+        beside = _timeline([self.beside, self.rows], self.horizon)[: self.horizon]
+        arena = capacity
+        margin = int(_MARGIN * (arena + int(beside.max()) if self.horizon else 0))
+        offsets: list[int | None] = [None] * len(sizes)
+        # The values taken, as arrays grown in place (start tick, end tick, offset, top).
+        placed = np.zeros((4, max(1, len(sizes))), dtype=np.int64)
+        count = 0
+        pending = list(self.order)
+        while pending:
+            refused: list[int] = []
+            for i in pending:
+                start, end, nbytes = starts[i], ends[i], sizes[i]
+                size = _rounded(nbytes, ALIGN)
+                live = placed[:, :count]
+                busy = live[:, (live[0] < end) & (start < live[1])]
+                offset = _best_gap(busy[2], busy[3], size, first=True)
+                grown = max(arena, offset + size)
+                if (
+                    ceiling is not None
+                    and _rounded(grown, self.granularity) > ceiling
+                    and i not in self.must
+                ):
+                    refused.append(i)
+                    continue
+                if greedy and grown > arena and i not in self.must:
+                    # More arena is reserved at every node: take it only where the peak holds.
+                    # (Judged in bytes: the granularity's rounding costs less than one granule
+                    # in all, where judging each value by it would refuse every first one.)
+                    peak = arena + int(beside.max())
+                    outside = max(_max(beside[:start]), _max(beside[end:]))
+                    inside = int(beside[start:end].max()) - nbytes
+                    # Where the value is not live the arena's new bytes sit beside the rest:
+                    # keep a margin there, since kernels' scratch is only modelled.
+                    if grown + outside > peak - margin or grown + inside > peak:
+                        refused.append(i)
+                        continue
+                    if grown + max(outside, inside) == peak and not establish:
+                        refused.append(i)
+                        continue
+                arena = grown
+                beside[start:end] -= nbytes
+                placed[:, count] = (start, end, offset, offset + size)
+                count += 1
+                offsets[i] = offset
+            if len(refused) == len(pending):
+                break
+            pending = refused
+        need = int(placed[3, :count].max()) if count else 0
+        reserved = _rounded(arena, self.granularity) if arena else 0
+        return Placed(offsets, need, reserved, int(beside.max()) if self.horizon else 0)
+
+    def routed(self, capacity: int, ceiling: int | None) -> Placed | None:
+        """The router's packing of the candidates (``plan_offsets``), or ``None`` where it
+        leaves out one that must go in, or where the arena is past ``ceiling`` already."""
+        if ceiling is not None:
+            # ``grow``'s test, a rounded arena over the ceiling, on bytes: the ceiling in
+            # whole granules, and nothing taken where the arena is over it already.
+            ceiling = ceiling // self.granularity * self.granularity
+            if _rounded(capacity, self.granularity) > ceiling:
+                return None
+        plan = plan_offsets(self.rows, ceiling=ceiling)
+        # Empty values are no candidates there: they take no bytes anywhere.
+        offsets = [o if o >= 0 else 0 if not n else None
+                   for o, n in zip(plan.offsets, self.rows.sizes, strict=True)]  # fmt: skip
+        if any(offsets[i] is None for i in self.must):
+            return None
+        left = [n if o is None else 0 for o, n in zip(offsets, self.rows.sizes, strict=True)]
+        beside = _timeline([self.beside, self.rows._replace(sizes=left)], self.horizon)
+        arena = max(capacity, plan.need)
+        reserved = _rounded(arena, self.granularity) if arena else 0
+        return Placed(offsets, plan.need, reserved, _max(beside[: self.horizon]))
+
+
+def timeline_peak(values: Sequence[Lifetime]) -> int:
     """The most bytes of ``values`` live at one node (each live from ``start`` to ``end``)."""
-    return int(_timeline(values, horizon).max())
+    return intervals(values).live_peak()
 
 
-def _busiest(values: Sequence[Lifetime], horizon: int) -> int:
-    return int(_timeline(values, horizon).argmax())
-
-
-def _timeline(values: Sequence[Lifetime], horizon: int) -> np.ndarray:
-    live = np.zeros(horizon + 1, dtype=np.int64)
-    for life in values:
-        live[life.start : life.end + 1] += life.nbytes
-    return live
+def _timeline(recordings: Sequence[Recording], horizon: int) -> np.ndarray:
+    # The bytes live at each node (and one past the last), summed over ``recordings``.
+    delta = np.zeros(horizon + 2, dtype=np.int64)
+    for rows in recordings:
+        if len(rows.sizes):
+            sizes = np.asarray(rows.sizes, dtype=np.int64)
+            for ticks, sign in ((rows.alloc_at, sizes), (rows.free_at, -sizes)):
+                # a graph's outputs live past its last node: counted to one past it
+                at = np.minimum(np.asarray(ticks, dtype=np.int64), horizon + 1)
+                np.add.at(delta, at, sign)
+    return np.cumsum(delta)[: horizon + 1]
 
 
 def _rounded(nbytes: int, align: int) -> int:

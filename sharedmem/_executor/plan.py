@@ -1,22 +1,17 @@
-"""Which pool buffer ("slot") holds each intermediate of a graph.
+"""The executor's interval type (``Lifetime``), and the one-buffer-per-node baseline's slots.
 
-Slots are named pool buffers shared by every graph run on one pool, so planning starts from
-the capacities the pool already holds: an eval forward planned after a train step finds the
-train step's slots and fits its (smaller, shorter-lived) intermediates into them instead of
-adding buffers. Names alone could not do this: the n-th intermediate of an eval graph has
-nothing to do with the n-th of a joint forward+backward graph.
-
-The assignment is greedy by size: intermediates are placed largest first, each into the
-smallest slot that is free for its whole lifetime and already big enough; failing that, the
-largest free slot grows (fewer new bytes than a new slot); failing that, a new slot is made.
-With ``share=False`` ("per_node") no two intermediates of one graph share a slot, which is
-the one-buffer-per-node baseline; it still reuses other graphs' slots.
+An intermediate lives from the node that writes it to the last node that reads it. Planned
+with the liveness plan, intermediates share one arena, placed by ``placement.place`` with the
+router's packers (``placement.intervals`` gives them these lifetimes as the router's rows).
+The ``per_node`` baseline gives each intermediate a pool buffer ("slot") of its own: slots
+are named pool buffers shared by every graph run on one pool, so it starts from the slots the
+pool already holds, one intermediate each, and adds a slot only where none is left.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["PLANS", "Lifetime", "PlanSummary", "assign_slots", "merge"]
 
@@ -78,67 +73,51 @@ def merge(
     return joined, member
 
 
-@dataclass
-class _Slot:
-    name: str
-    capacity: int
-    busy: list[tuple[int, int]] = field(default_factory=list)
-
-    def free_for(self, life: Lifetime, share: bool) -> bool:
-        if not share:
-            return not self.busy
-        return all(life.start > end or life.end < start for start, end in self.busy)
-
-
 def assign_slots(
-    lifetimes: Sequence[Lifetime],
-    existing: Mapping[str, int],
-    *,
-    share: bool,
-    prefix: str,
+    lifetimes: Sequence[Lifetime], existing: Mapping[str, int], *, prefix: str
 ) -> tuple[list[str], dict[str, int]]:
-    """Place every intermediate in a slot.
+    """Give every intermediate a slot of its own (the ``per_node`` baseline).
+
+    Intermediates are taken largest first, each into the smallest free slot already big
+    enough; failing that, the largest free slot grows (fewer new bytes than a new slot);
+    failing that, a new slot is made.
 
     Args:
         lifetimes: the intermediates of one graph.
         existing: slots the pool already holds, by name, with their capacities in bytes.
-        share: whether intermediates of this graph whose lifetimes do not overlap may share.
         prefix: names of new slots are ``prefix`` followed by a number.
 
     Returns:
         The slot name of each intermediate, and the bytes this graph needs of each slot it
-        uses (the largest intermediate placed there).
+        uses (the intermediate placed there).
 
     Example::
 
         >>> from sharedmem._executor.plan import Lifetime, assign_slots
         >>> names, need = assign_slots(
-        ...     [Lifetime(100, 0, 1), Lifetime(80, 2, 3), Lifetime(50, 1, 2)], {},
-        ...     share=True, prefix="act.")
+        ...     [Lifetime(100, 0, 1), Lifetime(80, 2, 3), Lifetime(50, 1, 2)], {"act.1": 90},
+        ...     prefix="act.")
         >>> names, need
-        (['act.0', 'act.0', 'act.1'], {'act.0': 100, 'act.1': 50})
+        (['act.1', 'act.0', 'act.2'], {'act.0': 80, 'act.1': 100, 'act.2': 50})
     """
-    slots = [_Slot(name, capacity) for name, capacity in sorted(existing.items())]
+    free = dict(sorted(existing.items()))
     taken = set(existing)
     names: list[str] = [""] * len(lifetimes)
     need: dict[str, int] = {}
     order = sorted(range(len(lifetimes)), key=lambda i: (-lifetimes[i].nbytes, lifetimes[i].start))
     for i in order:
-        life = lifetimes[i]
-        free = [s for s in slots if s.free_for(life, share)]
-        fitting = [s for s in free if s.capacity >= life.nbytes]
+        nbytes = lifetimes[i].nbytes
+        fitting = [name for name, capacity in free.items() if capacity >= nbytes]
         if fitting:
-            slot = min(fitting, key=lambda s: s.capacity)
+            name = min(fitting, key=free.__getitem__)
         elif free:
-            slot = max(free, key=lambda s: s.capacity)
-            slot.capacity = life.nbytes
+            name = max(free, key=free.__getitem__)
         else:
-            slot = _Slot(_new_name(prefix, taken), life.nbytes)
-            taken.add(slot.name)
-            slots.append(slot)
-        slot.busy.append((life.start, life.end))
-        names[i] = slot.name
-        need[slot.name] = max(need.get(slot.name, 0), life.nbytes)
+            name = _new_name(prefix, taken)
+            taken.add(name)
+        free.pop(name, None)
+        names[i] = name
+        need[name] = nbytes
     return names, dict(sorted(need.items(), key=lambda kv: _slot_order(kv[0], prefix)))
 
 
