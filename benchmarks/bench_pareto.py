@@ -29,9 +29,11 @@ installed is skipped with a line saying so.
 
 ``SHAREDMEM_PARETO_ONLY=bert_base,convnext_tiny`` runs the configurations named (of
 ``MODELS``) alone; ``SHAREDMEM_PARETO_ROUNDS=N`` takes each time as the median of N calls
-(default 7). Beside each model's rows: its least-memory point against that step's floor (the
-most bytes one op needs at once beside the gradients made before it; DESIGN §7: within 2%),
-and, over two or more configurations, the default's median peak against eager's (<= 0.70x).
+(default 7); ``SHAREDMEM_PARETO_NO_COMPILE=1`` leaves compile out. A budget the step
+cannot hold (below its gradients) gives no point, with a line saying why. Beside each model's
+rows: its least-memory point against that step's floor (the most bytes one op needs at once
+beside the gradients made before it; DESIGN §7: within 2%), and, over two or more
+configurations, the default's median peak against eager's (<= 0.70x).
 
 A planner point is "met" where no checkpoint or compile point beats it on both memory and
 time. ``--png`` draws the points (peak / eager against time / eager, one panel per model).
@@ -386,11 +388,17 @@ def _measure(name: str, cases: list[_Case], rounds: int, progress: Progress | No
     time over ``rounds`` calls, the cases interleaved round by round."""
     peaks: dict[str, int] = {}
     floors: dict[str, tuple[int, str]] = {}
-    for case in cases:
+    for case in list(cases):
         if progress is not None:
             progress.say(f"{name}: {case.label}: first call and peak")
         with case.context():
-            case.call()  # compile, trace, record: not measured
+            try:
+                case.call()  # compile, trace, record: not measured
+            except sm.OutOfMemoryError as refused:  # a budget below the step's gradients
+                cases.remove(case)
+                if progress is not None:
+                    progress.say(f"{name}: {case.label}: no point: {refused}")
+                continue
             case.drop()
             case.call()
             case.drop()
@@ -525,7 +533,8 @@ def _model_points(
         return []
     # --quick: the planner's least-memory point stands for its max_slowdown settings (one
     # recomputation search instead of four).
-    cases = _cases(built, compile_too=not quick, slowdowns=() if quick else SLOWDOWNS)
+    compile_too = not quick and os.environ.get("SHAREDMEM_PARETO_NO_COMPILE", "") != "1"
+    cases = _cases(built, compile_too=compile_too, slowdowns=() if quick else SLOWDOWNS)
     return _measure(name, cases, 3 if quick else rounds, progress)
 
 
