@@ -20,8 +20,20 @@ process, against eager's:
 Configurations (built from their configs, no weights): torchvision ResNet-18 at batch 32,
 128x128; transformers GPT-2 with 4 layers, width 256, batch 4, sequence 256 (dropout 0, and
 again with transformers' default dropout of 0.1: recomputation draws the masks again from the
-saved generator state); timm ViT-tiny at batch 16, 224x224. A zoo that is not installed is
-skipped with a line saying so.
+saved generator state); timm ViT-tiny at batch 16, 224x224; transformers BERT at BERT-base's
+sizes (12 layers, width 768, 12 heads, 3072 wide, its 30,522-token vocabulary; dropout 0; a
+10-class head) at batch 2, sequence 512 (one step takes about 20 s on the 2-core CPU these
+figures came from: batch 2 keeps a run within an hour); torchvision ConvNeXt-T at batch 16,
+128x128 (checkpoint: each ``CNBlock``; its stochastic depth 0.1 kept). A zoo that is not
+installed is skipped with a line saying so.
+
+``SHAREDMEM_PARETO_ONLY=bert_base,convnext_tiny`` runs the configurations named (of
+``MODELS``) alone; ``SHAREDMEM_PARETO_ROUNDS=N`` takes each time as the median of N calls
+(default 7); ``SHAREDMEM_PARETO_NO_COMPILE=1`` leaves compile out. A budget the step
+cannot hold (below its gradients) gives no point, with a line saying why. Beside each model's
+rows: its least-memory point against that step's floor (the most bytes one op needs at once
+beside the gradients made before it; DESIGN §7: within 2%), and, over two or more
+configurations, the default's median peak against eager's (<= 0.70x).
 
 A planner point is "met" where no checkpoint or compile point beats it on both memory and
 time. ``--png`` draws the points (peak / eager against time / eager, one panel per model).
@@ -35,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import statistics
 import sys
 import time
@@ -62,6 +75,10 @@ Built = tuple[nn.Module, torch.Tensor, torch.Tensor, Loss]
 COMPILE_BUDGETS = (1.0, 0.5, 0.1)
 SLOWDOWNS = (1.05, 1.15, 1.35)
 LOWEST_TARGET = 0.35  # the lowest-memory planner point, as a fraction of eager's peak
+DEFAULT_TARGET = 0.70  # the default's median peak over the configurations, against eager's
+ROUNDS = 7  # each time is the median of this many interleaved calls
+FLOOR_SLACK = 1.02  # the least-memory point, at most this over its step's floor
+BERT_BATCH = 2  # BERT-base at sequence 512: a step of seconds on a 2-core CPU
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,10 @@ class Point:
     label: str
     peak: int
     seconds: float
+    # A planner point's floor (``PlanSummary.floor``): the most bytes one op of its step needs
+    # at once beside the gradients made before it; 0 for the others.
+    floor: int = 0
+    floor_op: str = ""
 
 
 # ---- the models ---------------------------------------------------------------------------
@@ -120,6 +141,39 @@ def _vit_tiny() -> Built:
     return model, x, y, F.cross_entropy
 
 
+def _bert_base(batch: int = BERT_BATCH) -> Built:
+    import zoo  # transformers imports torchvision where it is installed
+
+    zoo._define_torchvision_ops()
+    from transformers import BertConfig, BertForSequenceClassification
+
+    # BERT-base's sizes (transformers' defaults: 12 layers, width 768, 12 heads, 3072 wide,
+    # vocabulary 30,522), dropout 0 (the GPT-2 pair covers dropout), a 10-class head on the
+    # pooled first token.
+    config = BertConfig(
+        num_labels=10, max_position_embeddings=512,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = BertForSequenceClassification(config)
+    ids = torch.randint(0, config.vocab_size, (batch, 512))
+    return model, ids, torch.randint(0, 10, (batch,)), _logits_loss
+
+
+def _logits_loss(out: object, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits, labels)  # type: ignore[attr-defined]
+
+
+def _convnext_tiny() -> Built:
+    import zoo
+
+    zoo._define_torchvision_ops()
+    from torchvision.models import convnext_tiny
+
+    # torchvision's own stochastic depth (0.1) stays: recomputation draws it again.
+    x, y = torch.randn(16, 3, 128, 128), torch.randint(0, 10, (16,))
+    return convnext_tiny(num_classes=10), x, y, F.cross_entropy
+
+
 def _small_cnn() -> Built:
     # --quick only: exercises the script in seconds; its figures are evidence of nothing.
     layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, padding=1)]
@@ -145,6 +199,8 @@ MODELS: dict[str, Callable[[], Built]] = {
     "gpt2": _gpt2,
     "gpt2_dropout": functools.partial(_gpt2, 0.1),  # transformers' default dropout
     "vit_tiny": _vit_tiny,
+    "bert_base": _bert_base,
+    "convnext_tiny": _convnext_tiny,
 }
 
 
@@ -159,7 +215,8 @@ class _Checkpointed(nn.Module):
         return checkpoint(self.inner, x, use_reentrant=False)  # type: ignore[no-any-return]
 
 
-_BLOCKS = ("BasicBlock", "Bottleneck", "_Block")  # torchvision's ResNets, the quick CNN
+# torchvision's ResNets and ConvNeXts, the quick CNN
+_BLOCKS = ("BasicBlock", "Bottleneck", "CNBlock", "_Block")
 
 
 def _checkpoint_every_block(model: nn.Module) -> nn.Module:
@@ -192,6 +249,11 @@ class _Case:
     measured: Callable[[int], None] = lambda peak: None
     # What the step says of its choice (a budget's report: chunks, and why), or "".
     said: Callable[[], str] = lambda: ""
+    # A planner step's floor and its op (``PlanSummary.floor``), or (0, "").
+    floor: Callable[[], tuple[int, str]] = lambda: (0, "")
+    # Drops the gradients a call made (between calls, untimed: eleven copies of a large
+    # model's gradients need not stay live together).
+    drop: Callable[[], None] = lambda: None
 
 
 def _cases(built: Built, *, compile_too: bool, slowdowns: tuple[float, ...]) -> list[_Case]:
@@ -208,14 +270,19 @@ def _cases(built: Built, *, compile_too: bool, slowdowns: tuple[float, ...]) -> 
     def zero() -> int:
         return 0
 
-    cases = [_Case("eager", "eager", eager_on(model), zero, nullcontext)]
+    def dropping(m: nn.Module) -> Callable[[], None]:
+        return functools.partial(m.zero_grad, set_to_none=True)
+
+    cases = [_Case("eager", "eager", eager_on(model), zero, nullcontext, drop=dropping(model))]
+    checkpointed = _checkpoint_every_block(copy.deepcopy(model))
     cases.append(
         _Case(
             "checkpoint every block",
             "checkpoint",
-            eager_on(_checkpoint_every_block(copy.deepcopy(model))),
+            eager_on(checkpointed),
             zero,
             nullcontext,
+            drop=dropping(checkpointed),
         )
     )
     if compile_too:
@@ -228,6 +295,7 @@ def _cases(built: Built, *, compile_too: bool, slowdowns: tuple[float, ...]) -> 
                     eager_on(compiled),  # type: ignore[arg-type]
                     zero,
                     lambda budget=budget: _memory_budget(budget),  # type: ignore[misc]
+                    drop=dropping(compiled),  # type: ignore[arg-type]
                 )
             )
     own_peak: list[int] = []
@@ -244,8 +312,15 @@ def _cases(built: Built, *, compile_too: bool, slowdowns: tuple[float, ...]) -> 
         def reserved() -> int:
             return int(pool.stats()["reserved_bytes"])
 
+        def floor() -> tuple[int, str]:
+            summary = step.plan_summary()
+            return summary.floor, summary.floor_op
+
         said = step.report if "budget" in kw else (lambda: "")
-        return _Case(label, "planner", call, reserved, nullcontext, said=said)
+        return _Case(
+            label, "planner", call, reserved, nullcontext, said=said, floor=floor,
+            drop=dropping(copied),
+        )  # fmt: skip
 
     default = planner("planner, default")
     default.measured = own_peak.append
@@ -290,6 +365,12 @@ class _Lazy:
     def said(self) -> str:
         return self._get().said()
 
+    def floor(self) -> tuple[int, str]:
+        return self._get().floor()
+
+    def drop(self) -> None:
+        self._get().drop()
+
     def context(self) -> AbstractContextManager[object]:
         return nullcontext()
 
@@ -306,14 +387,29 @@ def _measure(name: str, cases: list[_Case], rounds: int, progress: Progress | No
     """Each case's own peak (after a first call: compiled, recorded, planned) and its median
     time over ``rounds`` calls, the cases interleaved round by round."""
     peaks: dict[str, int] = {}
-    for case in cases:
+    floors: dict[str, tuple[int, str]] = {}
+    for case in list(cases):
         if progress is not None:
             progress.say(f"{name}: {case.label}: first call and peak")
         with case.context():
-            case.call()  # compile, trace, record: not measured
+            try:
+                case.call()  # compile, trace, record: not measured
+            except sm.OutOfMemoryError as refused:  # a budget below the step's gradients
+                cases.remove(case)
+                if progress is not None:
+                    progress.say(f"{name}: {case.label}: no point: {refused}")
+                continue
+            case.drop()
             case.call()
+            case.drop()
             peaks[case.label] = allocator_peak(case.call) + case.reserved()
+            case.drop()
             case.measured(peaks[case.label])
+        floors[case.label] = case.floor()
+        if progress is not None:  # the memory figures as they come (a long run may not end)
+            floor, op = floors[case.label]
+            at = f"; floor {floor:,} bytes at {op}" if floor else ""
+            progress.say(f"{name}: {case.label}: peak {peaks[case.label]:,} bytes{at}")
         if progress is not None and (said := case.said()):
             progress.say(f"{name}: {case.label}: {said}")
     samples: dict[str, list[float]] = {case.label: [] for case in cases}
@@ -324,11 +420,17 @@ def _measure(name: str, cases: list[_Case], rounds: int, progress: Progress | No
                 start = time.perf_counter()
                 case.call()
                 samples[case.label].append(time.perf_counter() - start)
+                case.drop()
         if progress is not None:
             progress.tick(f"{name}: round {index + 1}/{rounds}")
     return [
         Point(
-            name, case.method, case.label, peaks[case.label], statistics.median(samples[case.label])
+            name,
+            case.method,
+            case.label,
+            peaks[case.label],
+            statistics.median(samples[case.label]),
+            *floors[case.label],
         )
         for case in cases
     ]
@@ -349,6 +451,18 @@ def _rows(points: list[Point]) -> list[Row]:
                 target=target, ok=ok)
         )  # fmt: skip
         rows.append(row(f"{p.model}: {p.label}: time", p.seconds, "s", baseline=eager.seconds))
+    least = next((p for p in points if p.label == "planner, least memory"), None)
+    if least is not None and least.floor:  # DESIGN §7: least memory within 2% of the floor
+        rows.append(
+            row(
+                f"{eager.model}: least memory against its floor ({least.floor_op})",
+                least.peak,
+                "bytes",
+                baseline=least.floor,
+                target=f"<= {FLOOR_SLACK}x",
+                ok=least.peak <= FLOOR_SLACK * least.floor,
+            )
+        )
     lowest = min((p for p in points if p.method == "planner"), key=lambda p: p.peak)
     rows.append(
         row(
@@ -363,18 +477,31 @@ def _rows(points: list[Point]) -> list[Row]:
     return rows
 
 
-def points(quick: bool = False, progress: Progress | None = None) -> list[Point]:
-    """Every point of every configuration this environment can build, each configuration
-    in a process of its own (``--quick``: in this one)."""
+def points(
+    quick: bool = False,
+    progress: Progress | None = None,
+    *,
+    only: tuple[str, ...] = (),
+    rounds: int = ROUNDS,
+) -> list[Point]:
+    """Every point of every configuration this environment can build (or of those named in
+    ``only``), each configuration in a process of its own (``--quick``: in this one), each
+    time the median of ``rounds``."""
     if quick:
         return _model_points("small_cnn", quick=True, progress=progress)
+    unknown = sorted(set(only) - set(MODELS))
+    if unknown:
+        raise ValueError(
+            f"sharedmem: no Pareto configuration named {', '.join(unknown)}; name some of "
+            f"{', '.join(MODELS)}"
+        )
     found: list[Point] = []
-    for name in MODELS:
-        found += _in_own_process(name, progress is not None)
+    for name in only or MODELS:
+        found += _in_own_process(name, progress is not None, rounds)
     return found
 
 
-def _in_own_process(name: str, talk: bool) -> list[Point]:
+def _in_own_process(name: str, talk: bool, rounds: int = ROUNDS) -> list[Point]:
     # A step's own peak is what it allocates above what was there before it, and kernels
     # keep process-wide caches (oneDNN's scratchpad grows to the largest a model needed and
     # stays): measured after another model, a step's own peak reads lower than it is alone
@@ -382,12 +509,17 @@ def _in_own_process(name: str, talk: bool) -> list[Point]:
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as worker:
-        found: list[Point] = worker.apply(_model_points, (name,), {"talk": talk})
+        found: list[Point] = worker.apply(_model_points, (name,), {"talk": talk, "rounds": rounds})
     return found
 
 
 def _model_points(
-    name: str, *, quick: bool = False, progress: Progress | None = None, talk: bool = False
+    name: str,
+    *,
+    quick: bool = False,
+    progress: Progress | None = None,
+    talk: bool = False,
+    rounds: int = ROUNDS,
 ) -> list[Point]:
     make = _small_cnn if quick else MODELS[name]
     if talk and progress is None:
@@ -401,8 +533,9 @@ def _model_points(
         return []
     # --quick: the planner's least-memory point stands for its max_slowdown settings (one
     # recomputation search instead of four).
-    cases = _cases(built, compile_too=not quick, slowdowns=() if quick else SLOWDOWNS)
-    return _measure(name, cases, 3 if quick else 7, progress)
+    compile_too = not quick and os.environ.get("SHAREDMEM_PARETO_NO_COMPILE", "") != "1"
+    cases = _cases(built, compile_too=compile_too, slowdowns=() if quick else SLOWDOWNS)
+    return _measure(name, cases, 3 if quick else rounds, progress)
 
 
 _MEASURED: list[Point] = []  # the latest run's points, for --png
@@ -413,7 +546,9 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
     measured here)."""
     if device != "cpu":
         return [row("pareto", 0, "", target="CPU only: skipped")]
-    _MEASURED[:] = points(quick, progress)
+    only = tuple(n for n in os.environ.get("SHAREDMEM_PARETO_ONLY", "").split(",") if n)
+    rounds = int(os.environ.get("SHAREDMEM_PARETO_ROUNDS", ROUNDS))
+    _MEASURED[:] = points(quick, progress, only=only, rounds=rounds)
     return all_rows(_MEASURED)
 
 
@@ -422,7 +557,26 @@ def all_rows(found: list[Point]) -> list[Row]:
     rows: list[Row] = []
     for name in dict.fromkeys(p.model for p in found):
         rows += _rows([p for p in found if p.model == name])
+    names = dict.fromkeys(p.model for p in found)
+    defaults = [r for r in (_default_ratio(found, name) for name in names) if r is not None]
+    if len(defaults) > 1:  # DESIGN §7: the default's median peak over the set
+        rows.append(
+            row(
+                f"median default peak / eager over {len(defaults)} configurations",
+                statistics.median(defaults),
+                "x",
+                target=f"<= {DEFAULT_TARGET}x",
+                ok=statistics.median(defaults) <= DEFAULT_TARGET,
+            )
+        )
     return rows
+
+
+def _default_ratio(found: list[Point], name: str) -> float | None:
+    mine = {p.label: p for p in found if p.model == name}
+    if "eager" not in mine or "planner, default" not in mine:
+        return None
+    return mine["planner, default"].peak / mine["eager"].peak
 
 
 def draw(found: list[Point], path: Path) -> None:
