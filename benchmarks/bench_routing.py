@@ -97,6 +97,7 @@ def measure(name: str, build: Callable[[], Any], present: bool, reps: int = 7) -
         "grads": "present" if present else "None",
         "served": served / allocated if allocated else 1.0,
         "peak": pooled_peak / eager_peak,
+        "excess": pooled_peak - eager_peak,
         "arena_over_max_live": route.plan.need / route.plan.lower_bound - 1
         if route.plan.lower_bound
         else 0.0,
@@ -109,8 +110,8 @@ def main(names: list[str]) -> None:
     models = [m for m in zoo() if not names or m.name in names]
     for zoo_name, why in skipped().items():
         print(f"skipped {zoo_name}: {why}")
-    print(f"{'model':28} {'grads':8} {'served':>7} {'peak':>6} {'arena/max-live':>15} "
-          f"{'exact':>6} {'time':>6}")  # fmt: skip
+    print(f"{'model':28} {'grads':8} {'served':>7} {'peak':>6} {'excess B':>10} "
+          f"{'arena/max-live':>15} {'exact':>6} {'time':>6}")  # fmt: skip
     rows = []
     for entry in models:
         for present in (False, True):
@@ -122,7 +123,7 @@ def main(names: list[str]) -> None:
             rows.append(row)
             print(
                 f"{row['model']:28} {row['grads']:8} {row['served']:7.1%} {row['peak']:6.3f} "
-                f"{row['arena_over_max_live']:+15.1%} {row['exact']!s:>6} {row['time']:6.3f}",
+                f"{row['excess']:+10d} {row['arena_over_max_live']:+15.1%} {row['exact']!s:>6} {row['time']:6.3f}",
                 flush=True,
             )
     for grads in ("None", "present"):
