@@ -6,6 +6,12 @@ first run per signature and serves every later run's allocations from one arena 
 The routes (a signature's recording and plan) are kept for the ``PLAN_CACHE_SIZE`` signatures
 used most recently; the least recently used is dropped when another is added, and recorded
 anew if it comes back. A loop that meets a new batch size every call keeps a bounded state.
+
+A block's first call in an accumulation state (``params=`` given; gradients present that were
+``None`` when the block last recorded) is planned before it runs, from that recording
+(``accumulating``): the same allocations, each gradient it made added into the one held now
+and freed. That call is served from the room the held gradients leave at its plan's peak,
+where by best fit alone it met that room split (ResNet-18, batch 8: 22% of it served, 84%).
 """
 
 from __future__ import annotations
