@@ -7,7 +7,8 @@ Per model and per gradient state at the step's start (``None``, as after
 - the share of the step's allocation bytes served from the arena (the router's counts; what
   outlives the step, the gradients made with ``None`` and the loss, counts on both sides);
 - the step's peak, pooled / eager: the allocator's events (DESIGN §8), plus the pool's reserved
-  bytes for the pooled step;
+  bytes for the pooled step; and the excess in bytes, pooled less eager (the target: at most
+  one page, 4,096 B);
 - the arena against the max-live lower bound of what it serves;
 - whether the gradients are bit for bit eager's;
 - step time, pooled / eager (interleaved medians).
@@ -97,6 +98,7 @@ def measure(name: str, build: Callable[[], Any], present: bool, reps: int = 7) -
         "grads": "present" if present else "None",
         "served": served / allocated if allocated else 1.0,
         "peak": pooled_peak / eager_peak,
+        "excess": pooled_peak - eager_peak,
         "arena_over_max_live": route.plan.need / route.plan.lower_bound - 1
         if route.plan.lower_bound
         else 0.0,
@@ -109,8 +111,8 @@ def main(names: list[str]) -> None:
     models = [m for m in zoo() if not names or m.name in names]
     for zoo_name, why in skipped().items():
         print(f"skipped {zoo_name}: {why}")
-    print(f"{'model':28} {'grads':8} {'served':>7} {'peak':>6} {'arena/max-live':>15} "
-          f"{'exact':>6} {'time':>6}")  # fmt: skip
+    print(f"{'model':28} {'grads':8} {'served':>7} {'peak':>6} {'excess B':>10} "
+          f"{'arena/max-live':>15} {'exact':>6} {'time':>6}")  # fmt: skip
     rows = []
     for entry in models:
         for present in (False, True):
@@ -122,7 +124,8 @@ def main(names: list[str]) -> None:
             rows.append(row)
             print(
                 f"{row['model']:28} {row['grads']:8} {row['served']:7.1%} {row['peak']:6.3f} "
-                f"{row['arena_over_max_live']:+15.1%} {row['exact']!s:>6} {row['time']:6.3f}",
+                f"{row['excess']:+10d} {row['arena_over_max_live']:+15.1%} "
+                f"{row['exact']!s:>6} {row['time']:6.3f}",
                 flush=True,
             )
     for grads in ("None", "present"):
@@ -132,7 +135,8 @@ def main(names: list[str]) -> None:
                 f"grads {grads}: served median {statistics.median(r['served'] for r in chosen):.1%}"
                 f" (min {min(r['served'] for r in chosen):.1%}), peak median "
                 f"{statistics.median(r['peak'] for r in chosen):.3f} (max "
-                f"{max(r['peak'] for r in chosen):.3f}), time median "
+                f"{max(r['peak'] for r in chosen):.3f}, most "
+                f"{max(r['excess'] for r in chosen):+,} B), time median "
                 f"{statistics.median(r['time'] for r in chosen):.3f}, "
                 f"{sum(r['exact'] for r in chosen)}/{len(chosen)} bit-exact"
             )

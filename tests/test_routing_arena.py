@@ -130,6 +130,53 @@ def test_a_new_signatures_first_call_is_served_inside_the_arena() -> None:
     assert beside <= 0.25 * eager, (beside, eager)
 
 
+def test_an_accumulation_states_first_call_is_planned_from_the_state_before_it() -> None:
+    # A micro-step with gradients present after steps that made them (``None``): its first
+    # call is planned before it runs, from the recording of the state before (the gradients
+    # added into, each freed where it outlived that call), into the room the held gradients
+    # leave: served as its replay is, at its peak (a page of slack), and exactly. By best fit
+    # alone, in the room as the call met it, it served 96.2% at 1.13x its replay's peak.
+    def cnn() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                             nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                             nn.Flatten(), nn.Linear(32, 10))  # fmt: skip
+
+    plain, model = cnn(), cnn()
+    pool = sm.BufferPool("cpu")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+    def train(m: nn.Module, pooled: bool) -> None:
+        if pooled:
+            with pool.step("train", x, y, params=m):
+                nn.functional.cross_entropy(m(x), y).backward()
+        else:
+            nn.functional.cross_entropy(m(x), y).backward()
+
+    for _ in range(3):  # the default loop: recorded, then replayed
+        for m, pooled in ((plain, False), (model, True)):
+            m.zero_grad()
+            train(m, pooled)
+    shares: list[float] = []
+    peaks: list[int] = []
+    for _ in range(2):  # accumulation: the first call in that state, then its replay
+        train(plain, False)
+        before = pool.stats()
+        pooled = allocator_peak(lambda: train(model, True))
+        after = pool.stats()
+        served = after["arena_served_bytes"] - before["arena_served_bytes"]
+        beside = after["arena_fallback_bytes"] - before["arena_fallback_bytes"]
+        shares.append(served / (served + beside))
+        peaks.append(pooled + after["reserved_bytes"])
+        for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+    assert pool.stats()["recorded_calls"] == 2
+    assert shares[0] >= 0.99 * shares[1], shares
+    assert peaks[0] <= peaks[1] + PAGE, peaks
+
+
 def test_a_pool_limit_holds_on_the_first_call_and_results_stay_exact() -> None:
     plain, model = _mlp(), _mlp()
     pool = sm.BufferPool("cpu", limit=32 * 1024)
