@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._routing.plan import ALIGN, Recording, _best_gap, plan_offsets
+from .._routing.plan import ALIGN, Recording, best_gap, plan_offsets
 from .plan import Lifetime
 
 __all__ = ["Placed", "as_recording", "intervals", "place", "timeline_peak"]
@@ -183,7 +183,7 @@ class _Step:
     must: frozenset[int]
 
     def grow(self, capacity: int, greedy: bool, ceiling: int | None, establish: bool) -> Placed:
-        """The candidates in ``order``, each at the router's first fit (``_best_gap``);
+        """The candidates in ``order``, each at the router's first fit (``best_gap``);
         ``greedy``: refusing those that would grow the arena past the peak they lower."""
         sizes, starts, ends = self.rows.sizes, self.rows.alloc_at, self.rows.free_at
         beside = _timeline([self.beside, self.rows], self.horizon)[: self.horizon]
@@ -201,7 +201,7 @@ class _Step:
                 size = _rounded(nbytes, ALIGN)
                 live = placed[:, :count]
                 busy = live[:, (live[0] < end) & (start < live[1])]
-                offset = _best_gap(busy[2], busy[3], size, first=True)
+                offset = best_gap(busy[2], busy[3], size, first=True)
                 grown = max(arena, offset + size)
                 if (
                     ceiling is not None

@@ -58,6 +58,7 @@ __all__ = [
     "Fences",
     "Recording",
     "RoutePlan",
+    "best_gap",
     "choose_plan",
     "placeable",
     "plan_offsets",
@@ -73,7 +74,7 @@ _EXACT_EACH = 4  # ... and at most this many per allocation, and 256
 _EXACT_MOST = 4000  # ... on steps of at most this many allocations (it holds n^2 bits)
 _TRIMS = 2  # the most arenas a granule lower each that ``_trimmed`` packs the step under
 _REGROW = 16  # the most rounds ``_best`` grows a plan again one arena granule lower, then bisects
-_FEW = 16  # ``_best_gap`` loops over at most this many busy ranges, else works on arrays
+_FEW = 16  # ``best_gap`` loops over at most this many busy ranges, else works on arrays
 
 
 class Recording(NamedTuple):
@@ -349,7 +350,7 @@ def _pack(
         start, end = starts[i], ends[i]
         live = placed[:, :count]
         overlapping = live[:, (live[0] < end) & (start < live[1])]
-        offset = _best_gap(overlapping[2], overlapping[3], size, first=first)
+        offset = best_gap(overlapping[2], overlapping[3], size, first=first)
         if ceiling is not None and offset + size > ceiling:
             continue
         placed[:, count] = (start, end, offset, offset + size)
@@ -605,7 +606,7 @@ def _grow_greedily(
             size = -(-sizes[i] // ALIGN) * ALIGN
             live = placed[:, :count]
             busy = live[:, (live[0] < end) & (start < live[1])]
-            offset = _best_gap(busy[2], busy[3], size)
+            offset = best_gap(busy[2], busy[3], size)
             grown = max(arena, offset + size)
             if ceiling is not None and grown > ceiling:
                 refused.append(i)
@@ -657,18 +658,19 @@ def _described(recording: Recording, offsets: list[int]) -> RoutePlan:
     )
 
 
-def _best_gap(lows: np.ndarray, highs: np.ndarray, size: int, *, first: bool = False) -> int:
-    # The smallest gap between the busy ranges [low, high) that holds ``size`` (``first``:
-    # the lowest; of equal gaps the lowest); else the top.
+def best_gap(lows: np.ndarray, highs: np.ndarray, size: int, *, first: bool = False) -> int:
+    """The offset of the smallest gap between the busy ranges ``[low, high)`` that holds
+    ``size`` bytes (``first``: the lowest gap that holds it; of equal gaps the lowest), else
+    the top of the highest range: best fit, or first fit, over one allocation's neighbours."""
     if lows.size == 0:
         return 0
     order = np.argsort(lows, kind="stable")
     if lows.size <= _FEW:  # a few ranges: a loop costs less than the arrays below
-        best, best_gap, offset = -1, 0, 0
+        best, smallest, offset = -1, 0, 0
         for low, high in zip(lows[order].tolist(), highs[order].tolist(), strict=True):
             gap = low - offset
-            if gap >= size and (best < 0 or gap < best_gap):
-                best, best_gap = offset, gap
+            if gap >= size and (best < 0 or gap < smallest):
+                best, smallest = offset, gap
                 if first:
                     return best
             offset = max(offset, high)
