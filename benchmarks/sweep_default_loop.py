@@ -42,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -66,12 +67,32 @@ _STATS = re.compile(
 )
 
 
-def child(name: str) -> None:
+def allocator_events(step: Callable[[], object]) -> tuple[int, int]:
+    """``bench_default_loop.allocator_events``'s figures (the peak of the running sum of the
+    allocator's events while ``step()`` runs, and the bytes it allocated), read from the same
+    CREATE and DESTROY entries by ``sm.testing.memory_timeline`` in one pass, without the
+    Python frames and the data-flow graph PyTorch's timeline needs (its memory grew past 6 GB
+    on a recurrent LM's 68 profiled calls, and it took minutes a model)."""
+    from sharedmem.testing import _profile, memory_timeline
+
+    with _profile(with_stack=False) as prof:
+        step()
+    live = peak = made = 0
+    for size in memory_timeline(prof):
+        live += size
+        made += max(size, 0)
+        peak = max(peak, live)
+    return peak, made
+
+
+def child(name: str, timeline: bool) -> None:
     """One model, both entry points: a line ``MARK {json}`` after each."""
     import bench_default_loop
 
     if os.nice(0) < 5:
         os.nice(5 - os.nice(0))
+    if not timeline:
+        bench_default_loop.allocator_events = allocator_events
     for entry_point in ENTRY_POINTS:
         out = io.StringIO()
         start = time.perf_counter()
@@ -171,12 +192,15 @@ def line(model: str, entry_point: str, s: dict[str, Any]) -> str:
     )
 
 
-def run_model(name: str, timeout: float, log: Any) -> tuple[list[dict[str, Any]], str | None]:
+def run_model(
+    name: str, timeout: float, log: Any, timeline: bool
+) -> tuple[list[dict[str, Any]], str | None]:
     """Both entry points' results for ``name`` from a process of its own, and what went wrong
     there (None: nothing)."""
     root = Path(__file__).resolve().parent.parent
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
     command = [sys.executable, str(Path(__file__).resolve()), "--child", name]
+    command += ["--timeline"] if timeline else []
     env = dict(os.environ, PYTHONPATH=path)
     error = None
     try:
@@ -208,10 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=2400, help="seconds per model")
     parser.add_argument("--jobs", type=int, default=1, help="models run at once")
     parser.add_argument("--log", metavar="PATH", help="every model process's output")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="read the events through PyTorch's memory timeline (slow, GBs a model)",
+    )
     parser.add_argument("--child", metavar="NAME", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        child(args.child)
+        child(args.child, args.timeline)
         return 0
     names = args.names
     if not names:
@@ -231,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(name: str) -> None:
         start = time.perf_counter()
-        got, error = run_model(name, args.timeout, log)
+        got, error = run_model(name, args.timeout, log, args.timeline)
         for result in got:
             result["summary"] = summarize(result)
             results.append(result)
