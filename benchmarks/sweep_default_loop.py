@@ -25,6 +25,13 @@ Evaluation calls are not in the target's sequence: their peaks and shares are re
 counted as misses.
 
     python benchmarks/sweep_default_loop.py [NAME ...] [--json PATH] [--timeout S] [--jobs N]
+                                            [--log PATH] [--timeline]
+
+The events are read in one pass (``allocator_events`` here, the figures of
+``bench_default_loop``'s reader call for call, at a fraction of its time and memory);
+``--timeline`` reads them through PyTorch's memory timeline as ``bench_default_loop`` does.
+``--json`` is rewritten after every model, so a sweep cut short keeps what it measured; the
+exit status is 1 when a target is missed.
 
 (The zoo is optional: run with its packages on ``PYTHONPATH``; see ``benchmarks/zoo.py``.)
 """
