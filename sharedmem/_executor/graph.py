@@ -240,7 +240,7 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
         and len(keys) == 1
         and everything.count(next(iter(keys))) == 1
         and not keys & inputs
-        and _is_whole(o)
+        and is_whole(o)
         for o, keys in zip(outputs, out_keys, strict=True)
     )
     unpooled = [(n, op) for key, n, op in plain if key not in kept and n]
@@ -407,8 +407,9 @@ def graph_outputs(output: Node) -> list[object]:
     return list(flat) if isinstance(flat, (list, tuple)) else [flat]
 
 
-def _is_whole(node: Node) -> bool:
-    # The output covers its whole storage, so keeping it keeps no hidden extra bytes alive.
+def is_whole(node: Node) -> bool:
+    """Whether ``node``'s value covers its whole storage (so keeping it keeps no hidden
+    extra bytes alive, and a caller may own it)."""
     val = node.meta.get("val")
     return (
         isinstance(val, torch.Tensor)
