@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from worlds import Ranks
 
 import sharedmem as sm
+from sharedmem._executor.fsdp import param_groups
 
 # The ranks are spawned once for every world size (tests/worlds.py): every test of this file
 # and of test_fsdp in one pytest-xdist worker, so that they are not spawned again in the other.
@@ -383,7 +384,7 @@ def fsdp2_refusals_name_the_alternative(rank: int, world: int) -> None:
     hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     offloaded = fully_shard(_mlp(), mesh=init_device_mesh("cpu", (world,)))
     # CPU offload needs an accelerator to be built at all: set as fully_shard sets it there.
-    for group in offloaded._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
+    for group in param_groups(offloaded):
         group.offload_policy = CPUOffloadPolicy()
     refused: dict[str, tuple[Callable[[], nn.Module], str]] = {
         "an HSDP mesh": (lambda: fully_shard(_mlp(), mesh=hsdp), "1-D mesh"),
@@ -473,3 +474,47 @@ def test_distributed_demo_joins_the_groups_threads_before_it_returns(tmp_path: P
         got = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
         assert got["status"] == 0
         assert not [name for name in got["threads"] if "gloo" in name], got["threads"]
+
+
+@pytest.mark.parametrize("cap_mb", [None, 5])
+@pytest.mark.parametrize(("static", "unused"), [(False, False), (False, True), (True, False)])
+def test_ddp_bucket_limits_read_from_an_older_torchs_attributes_equal_its_config(
+    cap_mb: int | None, static: bool, unused: bool
+) -> None:
+    # torch 2.11 (a GPU image's) has no _bucket_config: the limits come from DDP's attributes.
+    from types import SimpleNamespace
+
+    from torch.nn.parallel import distributed as ddp_module
+
+    from sharedmem._executor.distributed import _limits
+
+    config_type = getattr(ddp_module, "_BucketCapacityConfig", None)
+    if config_type is None:
+        pytest.skip("this torch has no _BucketCapacityConfig to compare with")
+    config = config_type.create(
+        bucket_cap_mb=cap_mb, bucket_cap_mb_list=None, use_python_reducer=False
+    )
+    newer = SimpleNamespace(
+        _bucket_config=config, static_graph=static, find_unused_parameters=unused
+    )
+    older = SimpleNamespace(
+        bucket_bytes_cap=config.bucket_bytes_cap,
+        bucket_bytes_cap_default=cap_mb is None,
+        bucket_bytes_cap_list=[],
+        static_graph=static,
+        find_unused_parameters=unused,
+    )
+    assert _limits(older) == _limits(newer)
+
+
+def test_fsdp_parameter_groups_of_an_older_torch_are_its_one_group() -> None:
+    from types import SimpleNamespace
+
+    def wrapped(**state: object) -> nn.Module:
+        module = nn.Linear(2, 2)
+        module._get_fsdp_state = lambda: SimpleNamespace(**state)  # type: ignore[assignment]
+        return module
+
+    assert param_groups(wrapped(_fsdp_param_groups=("a", "b"))) == ["a", "b"]
+    assert param_groups(wrapped(_fsdp_param_group="a")) == ["a"]  # torch 2.11
+    assert param_groups(wrapped(_fsdp_param_group=None)) == []

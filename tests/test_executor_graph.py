@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -158,3 +161,20 @@ def test_node_stacks_walked_from_the_frames_are_the_ones_torch_symbolizes() -> N
     assert walked == symbolized
     named = [trace for _, trace in symbolized if trace]
     assert len(named) > 20 and any("_helper" in trace for trace in named)  # type: ignore[operator]
+
+
+def test_a_torch_without_stack_trace_anchors_gets_every_frame_to_filter_its_own_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch 2.11 (a GPU image's) keeps no _STACK_TRACE_ANCHORS: reading it failed every trace.
+    from sharedmem._executor import trace
+
+    def frames(only_forward: bool) -> list[tuple[str, str]]:
+        summary = trace._WalkedStack(sys._getframe(), only_forward).summary()
+        return [(f.filename, f.name) for f in summary][:-1]  # not ``frames`` itself
+
+    everything = frames(only_forward=False)
+    if hasattr(trace.fx_proxy, "_STACK_TRACE_ANCHORS"):  # torch 2.12 and later
+        assert len(frames(only_forward=True)) < len(everything)
+    monkeypatch.delattr(trace.fx_proxy, "_STACK_TRACE_ANCHORS", raising=False)
+    assert frames(only_forward=True) == everything

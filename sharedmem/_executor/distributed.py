@@ -24,6 +24,7 @@ step inside ``pool.step()`` (``fsdp_step``); a pooled forward refuses it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -313,11 +314,22 @@ def _bucket_view(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tens
 
 
 def _limits(ddp: Any) -> tuple[list[int], list[int]]:
-    config = ddp._bucket_config
-    initial, rebuilding = config.compute_bucket_size_limits(
-        static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters
-    )
-    return initial, rebuilding or [config.first_bucket_bytes_cap, config.bucket_bytes_cap]
+    """DDP's bucket size limits: for its first buckets, and for rebuilding them."""
+    config = getattr(ddp, "_bucket_config", None)
+    if config is not None:  # torch 2.12 and later keep them in one object
+        initial, rebuilding = config.compute_bucket_size_limits(
+            static_graph=ddp.static_graph, find_unused_parameters=ddp.find_unused_parameters
+        )
+        return initial, rebuilding or [config.first_bucket_bytes_cap, config.bucket_bytes_cap]
+    # Older torch computes the same in DDP's _ddp_init_helper, from its attributes.
+    cap, custom = ddp.bucket_bytes_cap, list(getattr(ddp, "bucket_bytes_cap_list", None) or [])
+    default_first: int = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)
+    first = default_first if ddp.bucket_bytes_cap_default else cap
+    if custom:
+        return custom, custom
+    if ddp.static_graph or not ddp.find_unused_parameters:
+        return [sys.maxsize], [first, cap]
+    return ([first, cap] if first < cap else [cap]), [first, cap]
 
 
 def _initial_buckets(ddp: Any, params: list[torch.Tensor]) -> list[list[int]]:

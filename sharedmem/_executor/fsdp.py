@@ -48,7 +48,7 @@ from torch import nn
 
 from .._routing import loaded, native
 
-__all__ = ["fsdp_modules", "prepare_fsdp"]
+__all__ = ["fsdp_modules", "param_groups", "prepare_fsdp"]
 
 
 def prepare_fsdp(model: nn.Module) -> nn.Module:
@@ -97,7 +97,7 @@ def prepare_fsdp(model: nn.Module) -> nn.Module:
         _check(name, module)
     native()  # installs the router: FSDP2's buffers made from here on are routed
     for _, module in modules:
-        if _param_groups(module):  # FSDP2 keeps no collectives for a module without params
+        if param_groups(module):  # FSDP2 keeps no collectives for a module without params
             all_gather, reduce_scatter = _comms()
             module.set_custom_all_gather(all_gather())  # type: ignore[operator]
             module.set_custom_reduce_scatter(reduce_scatter())  # type: ignore[operator]
@@ -115,8 +115,15 @@ def fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]  # type: ignore[misc]
 
 
-def _param_groups(module: nn.Module) -> list[Any]:
-    return list(module._get_fsdp_state()._fsdp_param_groups)  # type: ignore[operator]
+def param_groups(module: nn.Module) -> list[Any]:
+    """The parameter groups of a module ``fully_shard`` wrapped (torch 2.11 and older keep
+    at most one, as ``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def _check(name: str, module: nn.Module) -> None:
@@ -128,7 +135,7 @@ def _check(name: str, module: nn.Module) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
     where = f"the submodule {name!r}" if name else "the model"
-    groups = _param_groups(module)
+    groups = param_groups(module)
     reason = alternative = ""
     if len(groups) > 1:
         reason = f"{len(groups)} parameter groups (shard_placement_fn over several meshes)"

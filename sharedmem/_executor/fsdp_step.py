@@ -36,7 +36,7 @@ from .._pool import BufferPool
 from .._validate import check_loss_fn
 from .calling import OwnLoss, call_model, check_targets, plain_mapping
 from .executor import with_route
-from .fsdp import fsdp_modules, prepare_fsdp
+from .fsdp import fsdp_modules, param_groups, prepare_fsdp
 from .plan import PlanSummary
 from .step import CallFigures
 
@@ -141,9 +141,7 @@ class ShardedTrainStep:
         self.last_choice = ShardedChoice(1)
         self._route: Any = None  # the route of the latest call's biggest chunk
         self._groups = [
-            group
-            for _, module in fsdp_modules(model)
-            for group in module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+            group for _, module in fsdp_modules(model) for group in param_groups(module)
         ]
 
     # ---- running ---------------------------------------------------------------------------

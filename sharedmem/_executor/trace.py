@@ -413,13 +413,16 @@ class _WalkedStack:
         return cls(caller, bool(getattr(tracer, "_record_forward_stack_traces_only", False)))
 
     def summary(self) -> traceback.StackSummary:
-        anchors = fx_proxy._STACK_TRACE_ANCHORS
+        # A torch without registered anchors (2.11 and older) filters the frames its own
+        # way: give it every frame and let it choose.
+        anchors = getattr(fx_proxy, "_STACK_TRACE_ANCHORS", None)
         frames = []
         frame = self._frame
         while frame is not None:
             code = frame.f_code
             if (
                 not self._only_forward
+                or anchors is None
                 or code.co_name == "forward"
                 or code.co_filename.endswith("torch/__init__.py")
                 or (code.co_filename, code.co_name) in anchors
