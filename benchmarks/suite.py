@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Progress, Row, environment, missed, print_rows
+from harness import Progress, Row, environment, missed, print_rows, row
 
 __all__ = ["SUITE", "Progress", "environment", "missed", "print_rows", "run_suite"]
 
@@ -37,6 +37,11 @@ def run_suite(quick: bool, device: str, progress: Progress) -> list[tuple[str, l
     applicable = [entry for entry in SUITE if entry[2] == "all" or cuda]
     for index, (title, name, _) in enumerate(applicable, start=1):
         progress.say(f"[{index}/{len(applicable)}] {title} ...")
-        rows: list[Row] = importlib.import_module(name).run(quick, device, progress)
+        try:
+            rows: list[Row] = importlib.import_module(name).run(quick, device, progress)
+        except Exception as error:  # the other benchmarks still run: one row says what broke
+            progress.say(f"{title}: FAILED: {type(error).__name__}: {error}")
+            message = f"FAILED to run: {type(error).__name__}: {str(error)[:300]}"
+            rows = [row(message, float("nan"), "", target="runs", ok=False)]
         sections.append((title, rows))
     return sections

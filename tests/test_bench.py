@@ -175,6 +175,28 @@ def test_an_optional_zoo_that_cannot_import_is_skipped_in_one_line(
     assert set(zoo.skipped()) == {"torchvision", "timm", "transformers"}
 
 
+def test_a_benchmark_that_raises_is_one_failed_row_the_others_run_and_the_run_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As on a GPU image whose torch lacked what DDP's benchmark read: the CUDA sections after
+    # it must still run, and the run must not pass for a finished one.
+    def broken(quick: bool, device: str, progress: Any) -> list[harness.Row]:
+        raise AttributeError("'DistributedDataParallel' object has no attribute '_x'")
+
+    def fine(quick: bool, device: str, progress: Any) -> list[harness.Row]:
+        return [harness.row("a figure", 1.0, "bytes", target="== 1", ok=True)]
+
+    for name, run in (("bench_broken", broken), ("bench_fine", fine)):
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(run=run))
+    monkeypatch.setattr(
+        suite, "SUITE", [("broken", "bench_broken", "all"), ("fine", "bench_fine", "all")]
+    )
+    assert _bench.run_bench(True, "cpu", None) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"FAILED to run: AttributeError: .*_x", out) and "a figure" in out
+    assert "1 benchmarks failed to run" in out
+
+
 def test_cuda_rows_come_from_the_cuda_benchmark_records() -> None:
     rows = {r["name"]: r for r in bench_cuda.rows(cuda_records())}
     bandwidth = rows["sync h2d vmm 16 MiB (GB/s)"]

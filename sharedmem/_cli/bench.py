@@ -5,7 +5,8 @@ measured side by side with its PyTorch baseline; this module finds it, runs what
 the device with progress lines on stderr, and prints one table on stdout (and optionally
 writes JSON with the environment the figures depend on).
 
-A run that finished exits 0 whatever its verdicts: the table is the result. ``--check`` makes a
+A run that finished exits 0 whatever its verdicts: the table is the result; a benchmark that
+raised is one failed row, the others still run, and the run exits 1. ``--check`` makes a
 missed target exit 1, except a timing figure (a time, a rate, a ratio of times) that missed by
 less than the tolerance: on a small machine shared with other work such a figure moves from
 run to run by about that much.
@@ -83,6 +84,10 @@ def run_bench(
         }
         Path(json_path).write_text(json.dumps(payload, indent=2) + "\n")
         print(f"bench: wrote {json_path}")
+    broken = [r["name"] for r in rows if r["target"] == "runs" and r["ok"] is False]
+    if broken:  # a benchmark that raised: the others ran, but the run did not finish
+        print(f"bench: {len(broken)} benchmarks failed to run: " + "; ".join(broken))
+        return 1
     if not check:
         return 0
     if failed:
