@@ -25,11 +25,9 @@ from torch._ops import OpOverload
 from torch.fx import Graph, GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .._backends import round_up
 from .._errors import SharedMemError
 from .._layout import extent
 from .._routing.kernels import KernelMemory, kernel_memory
-from .._routing.plan import grain
 from .ops import Kind, OpRule, rule_for
 from .plan import Lifetime
 
@@ -154,9 +152,6 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     scratch: list[Lifetime] = []
     measured_scratch: dict[int, int] = {}
     sequences: dict[int, tuple[tuple[int, int, int], ...]] = {}
-    # Every value in the bytes PyTorch's allocator would give it there (CUDA: 512), so that
-    # its offset in a pool buffer is as aligned as eager's address (``_routing.plan.GRAIN``).
-    unit = grain(device.type)
     for i, node in enumerate(nodes):
         results = [r for r in _results(node) if isinstance(r, torch.Tensor)]
         for r in results:
@@ -189,7 +184,7 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
                         plain_starts.append(i)
                 work = measured.scratch if measured else _scratch(node, results)
                 if work:
-                    scratch.append(Lifetime(round_up(work, unit), i, i))
+                    scratch.append(Lifetime(work, i, i))
                 if measured and measured.scratch:  # a floor counts no modelled bytes
                     measured_scratch[i] = measured.scratch
                 if measured and measured.sequence:
@@ -228,7 +223,7 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
                 if key in plain_owner:
                     k = plain_owner[key]
                     plain_ends[k] = max(plain_ends[k], position[node])
-    lifetimes = [Lifetime(round_up(n, unit), s, e) for (n, s), e in zip(starts, ends, strict=True)]
+    lifetimes = [Lifetime(n, s, e) for (n, s), e in zip(starts, ends, strict=True)]
     outputs = graph_outputs(nodes[-1])
     out_keys = [storages[o] if isinstance(o, Node) else set() for o in outputs]
     everything = [k for keys in out_keys for k in keys]
@@ -236,7 +231,7 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     beside, beside_returned = [], []
     for (key, n, _), s, e in zip(plain, plain_starts, plain_ends, strict=True):
         if n:
-            beside.append(Lifetime(round_up(n, unit), s, e))
+            beside.append(Lifetime(n, s, e))
             beside_returned.append(key in kept)
     returned = frozenset(owner[k] for k in everything if k in owner)
     returned_by = tuple(frozenset(owner[k] for k in keys if k in owner) for keys in out_keys)

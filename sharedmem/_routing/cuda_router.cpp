@@ -60,14 +60,8 @@ void* upstream_alloc(size_t size, void* stream) {
   return reinterpret_cast<void*>(ptr);
 }
 
-// PyTorch's caching allocator rounds every block to this and starts it on it; the router does
-// the same (``GRAIN`` in plan.py), so that a step's pointers are never less aligned than
-// eager's (kernels choose by alignment: cuBLAS(Lt) reads it up to 256 bytes).
-constexpr size_t kGrain = 512;
-
 // What PyTorch calls for every CUDA allocation once the router is installed.
 void* route_alloc(size_t size, int device, uintptr_t stream) {
-  size = (size + kGrain - 1) / kGrain * kGrain;
   if (g_open.load(std::memory_order_acquire) > 0) {
     std::lock_guard<std::mutex> lock(g_scopes_mutex);
     auto it = g_scopes.find(StreamKey{device, stream});

@@ -55,28 +55,17 @@ import numpy as np
 from .pack import lifted, lowest_packing, merged, pack_under
 
 __all__ = [
-    "GRAIN",
     "Fences",
     "Recording",
     "RoutePlan",
     "best_gap",
     "choose_plan",
-    "grain",
     "placeable",
     "plan_offsets",
     "reuse_offsets",
 ]
 
 ALIGN = 64  # every planned address is a multiple of this: any dtype and vector load fits
-# Where PyTorch's own allocator hands out blocks at a coarser grain, a step's allocations are
-# recorded and planned at that grain: each takes as many bytes as there, and (every size and
-# the arena's base a multiple of it) every packer's offsets are multiples of it too. On CUDA
-# the caching allocator rounds each block to 512 bytes and starts it on 512, and kernels
-# choose their algorithm by their pointers' alignment (cuBLAS and cuBLASLt read it up to 256
-# bytes): at 512 a pooled value is never less aligned than eager's, so no kernel can choose
-# otherwise for that reason. ``torch.cuda.max_memory_allocated`` counts the rounded sizes too,
-# so the figures compared stay alike.
-GRAIN = {"cuda": 512}
 _ALWAYS = 1 << 62  # a fence's end tick: after every tick of any step
 _TRIES = 64  # the most random orders a packing tries (``plan_offsets``)
 _WORK = 2048  # ... and at most this many placements in all
@@ -86,12 +75,6 @@ _EXACT_MOST = 4000  # ... on steps of at most this many allocations (it holds n^
 _TRIMS = 2  # the most arenas a granule lower each that ``_trimmed`` packs the step under
 _REGROW = 16  # the most rounds ``_best`` grows a plan again one arena granule lower, then bisects
 _FEW = 16  # ``best_gap`` loops over at most this many busy ranges, else works on arrays
-
-
-def grain(device_type: str) -> int:
-    """The bytes every allocation of a step on ``device_type`` is recorded and planned in
-    (``GRAIN``; 1 where PyTorch's allocator rounds nothing the plan must follow)."""
-    return GRAIN.get(device_type, 1)
 
 
 class Recording(NamedTuple):
