@@ -132,6 +132,9 @@ def _profile(with_stack: bool = True) -> profile:
         profile_memory=True,
         record_shapes=True,
         with_stack=with_stack,
+        # Each profile runs once: nothing accumulates. Without it torch 2.11 warns on stderr
+        # that events of earlier cycles are dropped (there are none).
+        acc_events=True,
     )
 
 

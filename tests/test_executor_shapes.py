@@ -455,3 +455,19 @@ def test_a_new_size_follows_the_rule_of_the_recorded_sizes() -> None:
     assert size_rule([at(5, [160, 64, 40]), at(7, [224, 65, 56])]) is None
     other = Recording([224, 64, 56], [0, 2, 1], [3, 4, 5])
     assert size_rule([at(5, [160, 64, 40]), ([224, 56, 49], other)]) is None
+
+
+def test_a_size_read_is_size_arithmetic_not_an_op_the_step_runs() -> None:
+    # torch 2.11 records ``aten.size`` in a symbolic trace where later ones record ``sym_size``:
+    # counted as an op, every symbolic trace "ran other ops" and each length was captured anew.
+    from torch.fx import Graph, GraphModule
+
+    from sharedmem._executor.graph import op_sequence
+
+    aten = torch.ops.aten
+    graph = Graph()
+    x = graph.placeholder("x")
+    sizes = graph.call_function(aten.size.default, (x,))
+    y = graph.call_function(aten.relu.default, (x,))
+    graph.output((y, sizes))
+    assert op_sequence(GraphModule(nn.Module(), graph)) == (aten.relu.default,)

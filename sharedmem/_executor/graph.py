@@ -458,10 +458,17 @@ def op_sequence(gm: GraphModule) -> tuple[object, ...]:
     )
 
 
+# Ops that read a tensor's sizes and nothing else (torch 2.11's symbolic trace records
+# ``aten.size`` where later ones record ``sym_size`` for each dimension).
+_SIZE_READS = frozenset(
+    (aten.sym_size.int, aten.sym_numel.default, aten.size.default, aten.sym_stride.int)
+)
+
+
 def size_arithmetic(node: Node) -> bool:
     """Whether ``node`` computes a size (``sym_size``, ``8 * s0``): a number from numbers
     and the sizes of tensors, in a graph traced with symbolic sizes."""
-    if node.target is aten.sym_size.int or node.target is aten.sym_numel.default:
+    if node.target in _SIZE_READS:
         return True
     numbers = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
     return (
