@@ -23,7 +23,7 @@ from .._errors import SharedMemError
 from .._pool import BufferPool
 from .._routing import CallPeak
 from .._validate import check_loss_fn
-from .accumulate import accumulating, obeys_layout, relayout
+from .accumulate import accumulating, obeys_layout, relayout, summed_in_place
 from .binding import State
 from .calling import OwnLoss, check_targets
 from .cost import call_cost, graph_cost
@@ -495,7 +495,8 @@ class PooledTrainStep(_Step):
         """``traced`` as it runs with the gradients ``present``: each fresh one made in its
         parameter's layout (``relayout``), the others added into ``p.grad`` (``accumulating``)."""
         fresh = [not there for there in present] if present else [True] * len(state.params)
-        gm = relayout(traced.gm, state.params, fresh)
+        gm = summed_in_place(traced.gm, len(state.params))
+        gm = relayout(gm, state.params, fresh)
         if any(present):
             first_data = len(state.params) + len(state.buffers)
             # A gradient planned for but not there yet (``memory_plan(with_grads=True)``)
