@@ -389,6 +389,25 @@ def test_kernels_are_measured_only_where_asked_or_the_router_is_installed_alread
     assert sm.estimate(model, x, y, loss_fn=F).kernels_measured  # installed now: measured
 
 
+def test_flash_attention_is_measured_where_its_dropout_draws_nothing() -> None:
+    # Tagged as seeded, the CPU flash attention was never measured: its per-thread buffers
+    # (8,448 B twice in a T5 step) were in no first call's plan. At dropout 0 it draws no
+    # random numbers, so running it to measure it changes nothing eager then draws.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sharedmem._routing import kernels
+
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    with FakeTensorMode() as fake:
+        q, k, v = (fake.from_tensor(torch.zeros(2, 4, 64, 32)) for _ in range(3))
+        state = torch.get_rng_state()
+        measured = kernels.kernel_memory(attention, (q, k, v), {})
+        after = torch.get_rng_state()
+        assert kernels.kernel_memory(attention, (q, k, v, 0.1), {}) is None  # it would draw
+    assert torch.equal(after, state)
+    assert measured is not None and measured.scratch > 0
+
+
 def test_kernels_are_measured_once_per_configuration_and_random_ones_never(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
