@@ -16,7 +16,7 @@
 // - A recording scope may be guided by a plan of the call's predicted sequence (the traced
 //   graph's, in allocation order): an allocation takes the place the plan gave the earliest
 //   predicted allocation of its size not taken yet, if that one comes at most
-//   ``kGuideWindow`` predicted allocations past the latest one taken, and where that range
+//   ``kGuideWindow`` large predicted allocations past the latest one taken, and where that range
 //   is free (upstream where the plan left it beside); else best fit. An allocation under
 //   ``kGuideSmall`` bytes, foreseen or not, is left to PyTorch (the plan leaves those beside):
 //   the first call is then served as planned, whatever the prediction missed (an allocation
@@ -87,14 +87,17 @@ struct Scope {
   c10::Storage owner;  // the arena's memory (undefined: the caller gave none)
   // A recording's guide: a plan of its predicted sequence, and per size the guide's
   // allocations of that size in order with how many of them were taken so far.
+  // Only its allocations of ``kGuideSmall`` bytes or more are matched: ``large`` holds their
+  // indices in it, ``by_size`` their ranks among them, and ``guided_to`` counts in ranks.
   std::shared_ptr<Plan> guide;
+  std::vector<int64_t> large;
   std::unordered_map<int64_t, std::pair<std::vector<int64_t>, size_t>> by_size;
-  int64_t guided_to = 0;  // one past the latest predicted allocation taken
+  int64_t guided_to = 0;  // one past the rank of the latest predicted allocation taken
   Counts counts;
   std::vector<Served> served;  // the arena allocations this scope handed out
 };
 
-// How far past the latest predicted allocation taken a guided recording takes the next one of
+// How far past the latest large predicted allocation taken a guided recording takes the next one of
 // an allocation's size (further: the prediction is taken to lack it, and best fit serves).
 constexpr int64_t kGuideWindow = 4;
 // Allocations under this many bytes are left to PyTorch in a guided recording (the guide's
@@ -137,16 +140,20 @@ class State {
         std::lock_guard<std::mutex> lock(mutex_);
         Arena& arena = *scope.arena;
         if (scope.guide) {
+          // A small one, foreseen or not, is left to PyTorch: the prediction may have swapped
+          // it with a peer of its size that lives longer (the loss and a temporary), and in
+          // the other's place it would split the ranges the plan keeps for large ones. Nor is
+          // it matched: the small ones are where the prediction and the kernels differ most
+          // (T5: a predicted 128-byte one that never came held the guide back, and every
+          // large allocation after it missed its planned place).
+          if (n < kGuideSmall) return {Serve::kWatched, nullptr};
           auto found = scope.by_size.find(static_cast<int64_t>(n));
           if (found != scope.by_size.end() && found->second.second < found->second.first.size() &&
               found->second.first[found->second.second] <= scope.guided_to + kGuideWindow) {
-            int64_t next = found->second.first[found->second.second++];
-            scope.guided_to = std::max(scope.guided_to, next + 1);
-            int64_t offset = scope.guide->offsets[next];
-            // Planned beside the arena; or a small one, which the prediction may have
-            // swapped with a peer of its size that lives longer (the loss and a temporary):
-            // in the other's place it would split the ranges the plan keeps for large ones.
-            if (offset < 0 || n < kGuideSmall) return {Serve::kWatched, nullptr};
+            int64_t rank = found->second.first[found->second.second++];
+            scope.guided_to = std::max(scope.guided_to, rank + 1);
+            int64_t offset = scope.guide->offsets[static_cast<size_t>(scope.large[rank])];
+            if (offset < 0) return {Serve::kWatched, nullptr};  // planned beside the arena
             uintptr_t at = arena.base + static_cast<uintptr_t>(offset);
             if (at + n <= arena.base + arena.size && free_range(arena, at, at + n)) {
               take(arena, scope, at, n, index);
@@ -154,7 +161,6 @@ class State {
               return {Serve::kArena, reinterpret_cast<void*>(at)};
             }
           }
-          if (n < kGuideSmall) return {Serve::kWatched, nullptr};  // unforeseen, and small
         }
         uintptr_t start = best_fit(arena, n);
         if (start != 0) {
@@ -249,7 +255,10 @@ class State {
     if (size > 0) scope->arena = arena_at(base, size);
     if (size > 0 && guide) {
       for (size_t i = 0; i < guide->sizes.size(); ++i) {
-        scope->by_size[guide->sizes[i]].first.push_back(static_cast<int64_t>(i));
+        if (guide->sizes[i] < static_cast<int64_t>(kGuideSmall)) continue;
+        int64_t rank = static_cast<int64_t>(scope->large.size());
+        scope->large.push_back(static_cast<int64_t>(i));
+        scope->by_size[guide->sizes[i]].first.push_back(rank);
       }
       scope->guide = std::move(guide);
     }
