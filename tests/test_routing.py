@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -247,26 +248,36 @@ def test_gradients_that_share_a_storage_are_copied_in_the_plan_at_eagers_peak() 
     # arena, they put every default-loop call 8 KB above eager's peak (the zoo's LSTM LM);
     # copied in the graph where they become final, as eager's AccumulateGrad clones them,
     # they are planned in the arena: eager's peak within a page, gradients bit for bit.
-    plain, model = _LSTMLM(), _LSTMLM()
+    eager_peak, beside, pool = _default_loop(_LSTMLM, vocab=100, shape=(4, 12))
+    assert beside == 0, f"{beside} bytes allocated beside the arena by a steady call"
+    assert beside + pool.stats()["reserved_bytes"] <= eager_peak + pool.granularity
+
+
+def _default_loop(
+    make: Callable[[], nn.Module], *, vocab: int, shape: tuple[int, int]
+) -> tuple[int, int, sm.BufferPool]:
+    """Three default-loop calls (gradients ``None`` at each start) of a language model made by
+    ``make``, eager and pooled, gradients bit for bit: the last call's eager peak, the bytes
+    the pooled call allocated beside the arena, and its pool."""
+    plain, model = make(), make()
     pool = sm.BufferPool("cpu")
     loss_fn = nn.functional.cross_entropy
     step = sm.pooled_train_step(model, loss_fn, pool=pool)
     g = torch.Generator().manual_seed(0)
-    tokens, targets = torch.randint(0, 100, (4, 12), generator=g), torch.randint(0, 100, (48,))
+    tokens = torch.randint(0, vocab, shape, generator=g)
+    targets = torch.randint(0, vocab, (shape[0] * shape[1],), generator=g)
 
     def eager() -> None:
         loss_fn(plain(tokens), targets).backward()
 
     peaks = []
-    for _ in range(3):  # the default loop: gradients None at each step's start
+    for _ in range(3):
         plain.zero_grad()
         model.zero_grad()
         peaks.append((allocator_peak(eager), allocator_peak(lambda: step(tokens, targets))))
         for a, b in zip(plain.parameters(), model.parameters(), strict=True):
             assert torch.equal(a.grad, b.grad)
-    eager_peak, beside = peaks[-1]
-    assert beside == 0, f"{beside} bytes allocated beside the arena by a steady call"
-    assert beside + pool.stats()["reserved_bytes"] <= eager_peak + pool.granularity, peaks
+    return (*peaks[-1], pool)
 
 
 class _TiedLM(nn.Module):
@@ -290,26 +301,9 @@ def test_a_tied_weights_gradients_are_summed_in_place() -> None:
     # eager's peak, whose engine adds in place there). Summed in place, the step holds it
     # twice: here a whole gradient below eager's peak (whose engine adds out of place on this
     # model), gradients bit for bit.
-    plain, model = _TiedLM(), _TiedLM()
-    pool = sm.BufferPool("cpu")
-    loss_fn = nn.functional.cross_entropy
-    step = sm.pooled_train_step(model, loss_fn, pool=pool)
-    g = torch.Generator().manual_seed(0)
-    tokens, targets = torch.randint(0, 2048, (2, 4), generator=g), torch.randint(0, 2048, (8,))
-
-    def eager() -> None:
-        loss_fn(plain(tokens), targets).backward()
-
-    peaks = []
-    for _ in range(3):  # the default loop: gradients None at each step's start
-        plain.zero_grad()
-        model.zero_grad()
-        peaks.append((allocator_peak(eager), allocator_peak(lambda: step(tokens, targets))))
-        for a, b in zip(plain.parameters(), model.parameters(), strict=True):
-            assert torch.equal(a.grad, b.grad)
-    eager_peak, beside = peaks[-1]
-    once = plain.embed.weight.nbytes
-    assert beside + pool.stats()["reserved_bytes"] <= eager_peak - once + pool.granularity, peaks
+    eager_peak, beside, pool = _default_loop(_TiedLM, vocab=2048, shape=(2, 4))
+    once = _TiedLM().embed.weight.nbytes
+    assert beside + pool.stats()["reserved_bytes"] <= eager_peak - once + pool.granularity
 
 
 def test_a_step_whose_peak_is_its_gradients_says_that_is_its_floor() -> None:
