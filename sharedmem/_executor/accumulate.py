@@ -27,7 +27,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .distributed import grad_taps
-from .graph import fake_mode, fresh_fake, graph_outputs, is_whole
+from .graph import fake_mode, fresh_fake, graph_outputs, is_whole, node_results, storage_key
 
 __all__ = ["accumulating", "obeys_layout", "relayout", "summed_in_place"]
 
@@ -219,7 +219,7 @@ def _sole_owner(operand: Node, add: Node, owners: Counter[StorageWeakRef]) -> bo
     return (
         isinstance(val, torch.Tensor)
         and is_whole(operand)
-        and owners[_storage(val)] == 1
+        and owners[storage_key(val)] == 1
         and val.dtype == summed.dtype
         and val.shape == summed.shape
         and val.stride() == summed.stride()
@@ -229,14 +229,6 @@ def _sole_owner(operand: Node, add: Node, owners: Counter[StorageWeakRef]) -> bo
 def _storages(nodes: Sequence[Node]) -> Sequence[StorageWeakRef]:
     """The storage of every tensor value of ``nodes`` (a node's results each), repeated per
     value: views and in-place results share their base's."""
-    found = []
-    for node in nodes:
-        val = node.meta.get("val")
-        for v in val if isinstance(val, (list, tuple)) else [val]:
-            if isinstance(v, torch.Tensor):
-                found.append(_storage(v))
-    return found
-
-
-def _storage(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
+    return [
+        storage_key(v) for node in nodes for v in node_results(node) if isinstance(v, torch.Tensor)
+    ]

@@ -42,9 +42,11 @@ __all__ = [
     "fake_mode",
     "fresh_fake",
     "graph_outputs",
+    "node_results",
     "op_name",
     "op_sequence",
     "size_arithmetic",
+    "storage_key",
 ]
 
 _PLAIN = OpRule(Kind.PLAIN)
@@ -129,7 +131,8 @@ def op_name(target: object) -> str:
     return str(target) if isinstance(target, OpOverload) else getattr(target, "__name__", "?")
 
 
-def _results(node: Node) -> list[object]:
+def node_results(node: Node) -> list[object]:
+    """The values ``node`` computes (its ``meta["val"]``, a tuple or list of them unpacked)."""
     val = node.meta.get("val")
     return list(val) if isinstance(val, (tuple, list)) else [val]
 
@@ -153,7 +156,7 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     measured_scratch: dict[int, int] = {}
     sequences: dict[int, tuple[tuple[int, int, int], ...]] = {}
     for i, node in enumerate(nodes):
-        results = [r for r in _results(node) if isinstance(r, torch.Tensor)]
+        results = [r for r in node_results(node) if isinstance(r, torch.Tensor)]
         for r in results:
             if not all(type(d) is int for d in (*r.shape, *r.stride(), r.storage_offset())):
                 raise SharedMemError(
@@ -168,7 +171,7 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
                     f"sharedmem: {op_name(node.target)} returns a {r.layout} tensor; the pooled "
                     "executor runs strided (dense) tensors only"
                 )
-        keys = [_storage(r) for r in results]
+        keys = [storage_key(r) for r in results]
         storages[node] = set(keys)
         if node.op == "call_function":
             rule = _rule(node, device, all_fresh=len(set(keys) - seen) == len(results))
@@ -198,7 +201,7 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
                         storages[node] |= storages[used]
                 steps.append(NodeRun(node, i, rule))
             else:
-                buffers = tuple(_buffer(r) for r in _results(node))  # type: ignore[arg-type]
+                buffers = tuple(_buffer(r) for r in node_results(node))  # type: ignore[arg-type]
                 ids = []
                 for buffer, key in zip(buffers, keys, strict=True):
                     ids.append(-1 if buffer is None else len(starts))
@@ -447,7 +450,7 @@ def _rule(node: Node, device: torch.device, *, all_fresh: bool) -> OpRule:
         return _PLAIN
     if rule.adapt is not None and rule.adapt(node.args, node.kwargs) is None:
         return _PLAIN
-    results = _results(node)
+    results = node_results(node)
     if not all_fresh or node.kwargs.get("pin_memory"):
         return _PLAIN
     if not all(_poolable(r, device) for r in results):
@@ -530,8 +533,8 @@ def _contiguous(results: list[object]) -> bool:
     return all(isinstance(r, torch.Tensor) and r.is_contiguous() for r in results)
 
 
-def _storage(t: torch.Tensor) -> StorageWeakRef:
-    # Hashable and equal for tensors on one storage: views and in-place results share it.
+def storage_key(t: torch.Tensor) -> StorageWeakRef:
+    """Hashable and equal for tensors on one storage: views and in-place results share it."""
     return StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
 
 

@@ -40,7 +40,7 @@ from torch.fx.node import Argument
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .cost import graph_cost, op_cost
-from .graph import fake_mode, fresh_fake
+from .graph import fake_mode, fresh_fake, storage_key
 from .ops import EMPTY_FACTORIES
 from .replay import replay_op, replayable, rng_state_op, state_bytes
 
@@ -267,7 +267,7 @@ class _Index:
             else:
                 val = n.meta.get("val")
                 if isinstance(val, torch.Tensor):
-                    key = StorageWeakRef(val.untyped_storage())  # type: ignore[no-untyped-call]
+                    key = storage_key(val)
                     self._nbytes.setdefault(key, val.untyped_storage().nbytes())
                 else:
                     key = None
