@@ -32,9 +32,9 @@ class Arenas:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.trained: set[str] = set()  # arenas a training route was planned on
-        # arena -> (the route whose plan of a passing state grew it, its bytes before): given
-        # back when a call of another route begins
-        self.passing: dict[str, tuple[int, int]] = {}
+        # arena -> (the route whose plan of a passing state grew it, its bytes before, the
+        # bytes held then where it trains): given back when a call of another route begins
+        self.passing: dict[str, tuple[int, int, int | None]] = {}
         self.planned: set[str] = set()  # arena prefixes a traced graph was planned for
         self._bases: dict[str, int] = {}  # arena buffer -> its address when last served
         self._held: set[str] = set()  # arena buffers an open step serves from
@@ -53,20 +53,28 @@ class Arenas:
             self._held.add(lane)
             return lane
 
-    def mark_passing(self, arena: str, owner: int, before: int) -> None:
+    def mark_passing(self, arena: str, owner: int, before: int, held: int | None = None) -> None:
         """The route ``owner`` (its ``id``) grew ``arena`` from ``before`` bytes for a
-        passing state (an evaluation while gradients are held)."""
+        passing state: an evaluation while gradients are held, or a training step's
+        accumulation call, which found ``held`` bytes of the arena held (its gradients)."""
         with self._lock:
-            self.passing.setdefault(arena, (owner, before))
+            self.passing.setdefault(arena, (owner, before, held))
 
-    def take_passing(self, arena: str, caller: int) -> int | None:
-        """For a call of the route ``caller`` beginning on ``arena``: the bytes ``arena`` had
-        before another route grew it for a passing state (``None``: none did, or ``caller``
-        did), which the caller gives it back to."""
+    def take_passing(self, arena: str, caller: int, held: int) -> int | None:
+        """For a call of the route ``caller`` beginning on ``arena``, which finds ``held``
+        bytes of it held: the bytes ``arena`` had before another route grew it for a passing
+        state, which the caller gives it back to. ``None``: none did, or ``caller`` did, or
+        an accumulation call did and its gradients are held still (half its held bytes or
+        more). An evaluation between
+        accumulation calls, or an accumulation call of another batch size, keeps the growth
+        (the next accumulation call would grow the arena again, page by page, in a loop that
+        alternates); the default loop's next step (gradients ``None``) gives it back."""
         with self._lock:
             marker = self.passing.get(arena)
             if marker is None or marker[0] == caller:
                 return None
+            if marker[2] is not None and 2 * held >= marker[2]:
+                return None  # most of what was held is held still (a loss may have gone)
             del self.passing[arena]
             return marker[1]
 

@@ -93,6 +93,7 @@ COUNTERS = (
     "diverged_calls",  # replays that left their plan part way
 )
 
+PAGE = 4096  # a CPU page: the slack the peak targets allow
 PLANS_PER_ROUTE = 4  # plans kept per signature, one per set of fences (least recent dropped)
 
 
@@ -215,7 +216,9 @@ class Route:
                     grown_from = self._grown_from
                 self.guided = guide is not None
                 if grown_from is not None and lane == self._arena:
-                    arenas.mark_passing(self._arena, id(self), grown_from)
+                    arenas.mark_passing(
+                        self._arena, id(self), grown_from, self._accumulating(fences)
+                    )
                 before = self._host.device_capacity(lane)
                 room = self._room(lane)
                 reach = self._reach(lane, fences) if guide is None and room is not None else 0
@@ -254,7 +257,9 @@ class Route:
                 self.last_peak = CallPeak(after, peak - after, True, True)
                 return
             if planned.passing_from is not None and lane == self._arena:
-                arenas.mark_passing(self._arena, id(self), planned.passing_from)
+                arenas.mark_passing(
+                    self._arena, id(self), planned.passing_from, self._accumulating(fences)
+                )
                 self._trim_passing(router, planned.plan.need)
             if self._captured_from is not None and lane == self._arena:
                 # The measurements' growth (zeros of parameters the step does not copy):
@@ -313,7 +318,7 @@ class Route:
         except OutOfMemoryError:  # the limit changed during the call: the router fences them
             return
         host.arenas.served_from(lane, view.data_ptr())
-        host.arenas.mark_passing(self._arena, id(self), before)
+        host.arenas.mark_passing(self._arena, id(self), before, self._accumulating(fences))
         with self._lock:
             self._grown_from = before
 
@@ -334,13 +339,19 @@ class Route:
         their calls stay at their own peaks; the evaluation grows it again when it next
         runs, from fresh pages)."""
         arenas = self._host.arenas
-        before = arenas.take_passing(self._arena, id(self))
-        if before is None:
-            return
         base = arenas.base(self._arena)
         spans = [] if base is None else router.live_ranges(base)
-        held = max((int(high) for _, high in spans), default=0)
-        self._host.give_back_above(self._arena, max(before, held))
+        held = sum(int(high) - int(low) for low, high in spans)
+        before = arenas.take_passing(self._arena, id(self), held)
+        if before is None:
+            return
+        top = max((int(high) for _, high in spans), default=0)
+        self._host.give_back_above(self._arena, max(before, top))
+
+    def _accumulating(self, fences: Fences) -> int | None:
+        """For a passing state's growth (``Arenas.mark_passing``): the bytes a training
+        call found held (its gradients: an accumulation call), or ``None`` (an evaluation)."""
+        return sum(high - low for low, high in fences) if self.training else None
 
     def _fences(self, router: Any, lane: str) -> Fences:
         """The ranges of ``lane`` that tensors hold now (sorted ``(low, high)`` offsets)."""
@@ -672,27 +683,35 @@ class Route:
         return room
 
     def _passing_ceiling(self, capacity: int, recording: Recording, fences: Fences) -> int:
-        """The most bytes a plan of an evaluation in a passing state (tensors held in the
-        arena: the gradients of a step not yet zeroed) may grow the arena to: the peak eager
-        holds in that state (the held bytes and the call's own peak), where the growth lowers
-        this call's peak (``choose_plan`` grows only then). An evaluation at twice the batch
+        """The most bytes a plan of a call in a passing state (tensors held in the arena: the
+        gradients of a step not yet zeroed) may grow the arena to: the peak eager holds in
+        that state (the held bytes and the call's own peak), where the growth lowers this
+        call's peak (``choose_plan`` grows only then). An evaluation at twice the batch
         whose largest temporary (a 9 MB weight reorder on ResNet-18) misses the room above
         the gradients by a few hundred KB would otherwise serve it beside the arena, at
-        nearly twice eager's peak. A training step's passing state (accumulation) never
-        grows it: eager's peak there holds the gradients twice over, and an arena grown to
-        it would stay above the default loop's steady step."""
+        nearly twice eager's peak. So would an accumulation call (a training step that finds
+        its gradients held): the room above them is the default loop's activations less its
+        gradients, and ConvNeXt's accumulation calls left 18% of their bytes beside it, at
+        1.43x eager's peak. The growth is the passing state's (``Arenas.mark_passing``): the
+        default loop's next step gives it back, so that step stays at its own peak."""
         host = self._host
-        if self.training or not fences:
+        if not fences:
             return capacity
         if not host.stable_address and arena_live_bytes(host, self._arena):
             return capacity  # growing would move the held tensors
         # Eager's peak in this state, rounded down to whole granules: rounded up, the plan's
         # one-granule slack grew the arena for a call whose plan fits the room it has (a
-        # distributed demo's evaluation added a 1 MiB granule on every rank).
+        # distributed demo's evaluation added a 1 MiB granule on every rank). An accumulation
+        # call's, where a granule is a page, rounded up: the target's page of slack, which
+        # its packing above the held gradients may need (an LSTM's, rounded down, left 67 KB
+        # beside the arena, at eager's peak plus 65 KB).
         limit = sum(high - low for low, high in fences) + recording.live_peak()
+        grain = host.granularity
+        if self.training and grain <= PAGE:
+            limit = round_up(limit, grain)
         room = host.growth_room(self._arena)
         limit = limit if room is None else min(limit, room)
-        return max(capacity, limit // host.granularity * host.granularity)
+        return max(capacity, limit // grain * grain)
 
     def _account(self, counts: dict[str, int], plan: RoutePlan, lane: str) -> None:
         """A replay of ``plan`` on ``lane`` ended with the router's ``counts`` (the caller
