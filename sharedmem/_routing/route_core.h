@@ -18,8 +18,8 @@
 //   predicted allocation of its size not taken yet, if that one comes at most
 //   ``kGuideWindow`` large predicted allocations past the latest one taken, and where that range
 //   is free (upstream where the plan left it beside); else best fit. An allocation under
-//   ``kGuideSmall`` bytes, foreseen or not, is left to PyTorch (the plan leaves those beside):
-//   the first call is then served as planned, whatever the prediction missed (an allocation
+//   ``kGuideSmall`` bytes, foreseen or not, takes the arena's bytes above the plan's top
+//   (best fit there), else is left to PyTorch (the plan leaves those beside): the first call is then served as planned, whatever the prediction missed (an allocation
 //   it did not foresee does not pull the guide ahead, nor takes a range planned for a later
 //   one).
 // - A plan may place allocations that outlive the call (gradients, the loss): they stay in the
@@ -93,6 +93,10 @@ struct Scope {
   std::vector<int64_t> large;
   std::unordered_map<int64_t, std::pair<std::vector<int64_t>, size_t>> by_size;
   int64_t guided_to = 0;  // one past the rank of the latest predicted allocation taken
+  // The guide plan's top (offset): a small allocation takes the arena's bytes above it,
+  // where no planned allocation goes (the arena's rounding to whole granules, or bytes
+  // another state's plan grew it by), else PyTorch's allocator.
+  uintptr_t guide_top = 0;
   Counts counts;
   std::vector<Served> served;  // the arena allocations this scope handed out
 };
@@ -100,8 +104,9 @@ struct Scope {
 // How far past the latest large predicted allocation taken a guided recording takes the next one of
 // an allocation's size (further: the prediction is taken to lack it, and best fit serves).
 constexpr int64_t kGuideWindow = 4;
-// Allocations under this many bytes are left to PyTorch in a guided recording (the guide's
-// plan leaves them beside; ``GUIDE_SMALL`` in Python). Small ones are where a traced graph's
+// Allocations under this many bytes are not matched in a guided recording: each takes the
+// arena's bytes above the guide's plan (its rounding to whole granules) by best fit, else is
+// left to PyTorch (the plan leaves them beside; ``GUIDE_SMALL`` in Python). Small ones are where a traced graph's
 // decomposition and the kernels' differ most (a norm's saved statistics, a dropout's seed, a
 // scalar): matched by size to a predicted peer that dies sooner, or unforeseen and placed by
 // best fit, they would hold a range the plan keeps for a large allocation later, and every
@@ -146,7 +151,14 @@ class State {
           // it matched: the small ones are where the prediction and the kernels differ most
           // (T5: a predicted 128-byte one that never came held the guide back, and every
           // large allocation after it missed its planned place).
-          if (n < kGuideSmall) return {Serve::kWatched, nullptr};
+          if (n < kGuideSmall) {
+            uintptr_t start = best_fit(arena, n, arena.base + scope.guide_top);
+            if (start == 0) return {Serve::kWatched, nullptr};
+            take(arena, scope, start, n, index);
+            append(scope, reinterpret_cast<void*>(start), n,
+                   static_cast<int64_t>(start - arena.base));
+            return {Serve::kArena, reinterpret_cast<void*>(start)};
+          }
           auto found = scope.by_size.find(static_cast<int64_t>(n));
           if (found != scope.by_size.end() && found->second.second < found->second.first.size() &&
               found->second.first[found->second.second] <= scope.guided_to + kGuideWindow) {
@@ -259,6 +271,10 @@ class State {
         int64_t rank = static_cast<int64_t>(scope->large.size());
         scope->large.push_back(static_cast<int64_t>(i));
         scope->by_size[guide->sizes[i]].first.push_back(rank);
+        if (guide->offsets[i] >= 0) {
+          uintptr_t top = static_cast<uintptr_t>(guide->offsets[i] + guide->sizes[i]);
+          scope->guide_top = std::max(scope->guide_top, (top + 63) / 64 * 64);
+        }
       }
       scope->guide = std::move(guide);
     }
@@ -359,9 +375,10 @@ class State {
   }
 
   // The 64-byte aligned start of the smallest free range of ``arena`` that holds ``n`` bytes
-  // (best fit: the large ranges stay whole for the large allocations to come), or 0.
-  static uintptr_t best_fit(const Arena& arena, size_t n) {
-    uintptr_t cursor = arena.base, best = 0, top = arena.base + arena.size;
+  // (best fit: the large ranges stay whole for the large allocations to come), at ``from``
+  // or above (a 64-byte aligned address; 0: the arena's base), or 0.
+  static uintptr_t best_fit(const Arena& arena, size_t n, uintptr_t from = 0) {
+    uintptr_t cursor = std::max(arena.base, from), best = 0, top = arena.base + arena.size;
     size_t best_gap = SIZE_MAX;
     auto consider = [&](uintptr_t end) {
       if (end > cursor && end - cursor >= n && end - cursor < best_gap) {
