@@ -248,6 +248,25 @@ def test_a_guided_first_call_keeps_its_plan_where_predicted_small_allocations_ne
     assert pool.stats()["reserved_bytes"] <= 16384 + pool.granularity
 
 
+def test_the_first_trace_of_a_process_leaves_the_generator_and_allocates_next_to_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first pooled step of a process traces a tiny step first (the lazy imports, held
+    # from Ctrl-C). It forked the global generator: the saved state, 5,056 bytes beside the
+    # arena, took an LSTM's first call 6,688 B past eager's peak (DESIGN section 8 counts
+    # the call's allocator events beside the arena's bytes). Now the tiny model draws nothing.
+    from sharedmem._executor import capture
+    from sharedmem.testing import allocator_peak
+
+    monkeypatch.setattr(capture, "_READY", [])
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    peak = allocator_peak(capture._tracing_ready)
+    assert capture._READY == [True]
+    assert torch.equal(torch.get_rng_state(), state)  # the first step's dropout draws eager's
+    assert peak < 1024, peak
+
+
 @pytest.mark.skipif(native() is None, reason="no C++ compiler: the router cannot be built")
 def test_a_guided_calls_small_allocations_take_the_arena_above_its_plan() -> None:
     # Small allocations are never matched to the plan in a guided call; they took PyTorch's
