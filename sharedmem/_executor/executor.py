@@ -35,7 +35,7 @@ from .binding import Binding, Place, State
 from .capture import Capture
 from .codegen import Runner, generate
 from .distributed import grad_taps, unwrap
-from .graph import Analysis, analyse, op_name, op_sequence
+from .graph import Analysis, analyse, measured_scratch, op_name, op_sequence
 from .placement import as_recording, place, timeline_peak
 from .plan import PLANS, Lifetime, PlanSummary, assign_slots, merge
 from .policy import Recompute
@@ -298,14 +298,14 @@ class Executor:
             recompute: what the planner may compute again in backward (part of the key the
                 caller caches the result under).
         """
-        traced, recomputed = self._recompute(traced, recompute)
-        gm = traced.gm
         routed = self._routed(outputs_in_pool)
         # A routed call's first run is planned before it runs, by the sequence the graph and
         # its measured kernels predict (``Route.predict``), and records the real one.
         measure = self.measure_kernels or not routed
         # Before the arena is grown for this graph: its kernels' zeros in the arena's pages.
         with measured_in(self.pool, f"{self.prefix}0") if routed else nullcontext() as room:
+            traced, recomputed = self._recompute(traced, recompute, measure=measure)
+            gm = traced.gm
             analysis = analyse(gm, self.device, measure=measure)
         plan = self._plan(analysis, traced, outputs_in_pool, routed=routed)
         for name, nbytes in plan.slot_bytes.items():
@@ -521,9 +521,11 @@ class Executor:
     ) -> MemoryPlan:
         """What running ``traced`` would ask of the pool and beside it, without running it or
         growing anything (the planning layer's estimate stands on this)."""
-        traced, _ = self._recompute(traced, recompute)
-        analysis = analyse(traced.gm, self.device, measure=self.measure_kernels)
         routed = self._routed(outputs_in_pool)
+        # The search counts the kernels' scratch as the run's does: the same values recomputed.
+        measure = self.measure_kernels or not routed
+        traced, _ = self._recompute(traced, recompute, measure=measure)
+        analysis = analyse(traced.gm, self.device, measure=self.measure_kernels)
         plan = self._plan(analysis, traced, outputs_in_pool, routed=routed)
         # A routed step's arena grows when its signature is recorded, not when it compiles:
         # what it will ask of the pool is the router's planned arena.
@@ -539,13 +541,17 @@ class Executor:
             floor_op=analysis.floor_op,
         )
 
-    def _recompute(self, traced: Traced, policy: Recompute) -> tuple[Traced, int]:
+    def _recompute(
+        self, traced: Traced, policy: Recompute, *, measure: bool = False
+    ) -> tuple[Traced, int]:
         """``traced`` with its cheap long-idle values computed again where read late (and,
         as ``policy`` allows, its costly ones: see ``recompute``), and how many; the
-        per-node baseline keeps the graph as traced."""
+        per-node baseline keeps the graph as traced. Where time is given for memory and
+        ``measure``, the search counts the kernels' measured scratch."""
         if self.plan != "liveness":
             return traced, 0
-        gm, count = recompute(traced.gm, heavy=policy.heavy)
+        scratch = measured_scratch if measure and policy.heavy is not False else None
+        gm, count = recompute(traced.gm, heavy=policy.heavy, scratch=scratch)
         return (dataclasses.replace(traced, gm=gm), count) if count else (traced, 0)
 
     def _plan(

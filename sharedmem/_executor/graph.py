@@ -42,6 +42,7 @@ __all__ = [
     "fake_mode",
     "fresh_fake",
     "graph_outputs",
+    "measured_scratch",
     "node_results",
     "op_name",
     "op_sequence",
@@ -309,6 +310,24 @@ def _floor(
             made.add(key)
             made_bytes += sizes.get(key, 0)
     return best, at
+
+
+def measured_scratch(node: Node) -> int:
+    """The scratch ``node``'s kernel works in while it runs, as measured (``kernel_memory``:
+    once per configuration, then kept), for the ops ``analyse`` measures (those run as eager
+    runs them, without an out= form, and batch norms); 0 where it is not measured."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, OpOverload):
+        return 0
+    results = [r for r in node_results(node) if isinstance(r, torch.Tensor)]
+    if not results:
+        return 0
+    if target not in BATCH_NORMS and rule_for(target, results[0].device.type).kind is not (
+        Kind.PLAIN
+    ):
+        return 0
+    found = _measured(node, results)
+    return found.scratch if found is not None else 0
 
 
 def _measured(node: Node, results: list[torch.Tensor]) -> KernelMemory | None:
