@@ -109,7 +109,7 @@ def accumulating(recording: Recording, made: Counter[int]) -> Recording:
         size = recording.sizes[i]
         if free_at[i] < 0 and size > 0 and left[size] > 0:
             left[size] -= 1
-            free_at[i] = ticks[k + 6] if k + 6 < len(ticks) else end
+            free_at[i] = ticks[k + 3] if k + 3 < len(ticks) else end
     return Recording(list(recording.sizes), list(recording.alloc_at), free_at)
 
 

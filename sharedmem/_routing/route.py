@@ -449,7 +449,8 @@ class Route:
         # The router matches no allocation under ``GUIDE_SMALL`` bytes in a guided call,
         # foreseen or not: the plan places the others, and those take the arena's bytes above
         # the plan (its rounding to whole granules: BERT's first accumulation call 4,568 B
-        # over eager's peak with them beside it, 1,744 B inside), else PyTorch's.
+        # over eager's peak with them beside it, 1,744 B inside), else PyTorch's; those of
+        # a size predicted to outlive the call, PyTorch's.
         small = int(module.GUIDE_SMALL)
         large = [i for i, size in enumerate(predicted.sizes) if size >= small]
         sequence = Recording(
@@ -473,7 +474,10 @@ class Route:
             return None  # the lane cannot grow now: best fit in it as it is
         if not grow and plan.need > capacity:
             self._grown_from = capacity  # a passing state's growth, given back as a plan's
-        offsets = [-2] * len(predicted.sizes)
+        # -1 for a small one predicted to outlive the call (a loss): the router leaves every
+        # small one of its size to PyTorch, so that no such tensor is held in the arena
+        # where no plan put it (a family's loss keeps to its banks).
+        offsets = [-1 if free < 0 else -2 for free in predicted.free_at]
         for i, offset in zip(large, plan.offsets, strict=True):
             offsets[i] = offset if offset >= 0 else -2
         return module.Plan(list(predicted.sizes), offsets, [0] * len(offsets))

@@ -19,7 +19,8 @@
 //   ``kGuideWindow`` large predicted allocations past the latest one taken, and where that range
 //   is free (upstream where the plan left it beside); else best fit. An allocation under
 //   ``kGuideSmall`` bytes, foreseen or not, takes the arena's bytes above the plan's top
-//   (best fit there), else is left to PyTorch (the plan leaves those beside): the first call is then served as planned, whatever the prediction missed (an allocation
+//   (best fit there; one of a size predicted to outlive the call, a loss, never), else is
+//   left to PyTorch (the plan leaves those beside): the first call is then served as planned, whatever the prediction missed (an allocation
 //   it did not foresee does not pull the guide ahead, nor takes a range planned for a later
 //   one).
 // - A plan may place allocations that outlive the call (gradients, the loss): they stay in the
@@ -37,6 +38,7 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -97,6 +99,10 @@ struct Scope {
   // where no planned allocation goes (the arena's rounding to whole granules, or bytes
   // another state's plan grew it by), else PyTorch's allocator.
   uintptr_t guide_top = 0;
+  // Sizes of small allocations the guide predicts outlive the call (offset -1): every small
+  // one of such a size is left to PyTorch, so that no tensor the user keeps (a loss) is held
+  // in the arena where no plan put it.
+  std::unordered_set<int64_t> small_kept;
   Counts counts;
   std::vector<Served> served;  // the arena allocations this scope handed out
 };
@@ -152,6 +158,7 @@ class State {
           // (T5: a predicted 128-byte one that never came held the guide back, and every
           // large allocation after it missed its planned place).
           if (n < kGuideSmall) {
+            if (scope.small_kept.count(static_cast<int64_t>(n))) return {Serve::kWatched, nullptr};
             uintptr_t start = best_fit(arena, n, arena.base + scope.guide_top);
             if (start == 0) return {Serve::kWatched, nullptr};
             take(arena, scope, start, n, index);
@@ -267,7 +274,10 @@ class State {
     if (size > 0) scope->arena = arena_at(base, size);
     if (size > 0 && guide) {
       for (size_t i = 0; i < guide->sizes.size(); ++i) {
-        if (guide->sizes[i] < static_cast<int64_t>(kGuideSmall)) continue;
+        if (guide->sizes[i] < static_cast<int64_t>(kGuideSmall)) {
+          if (guide->offsets[i] == -1) scope->small_kept.insert(guide->sizes[i]);
+          continue;
+        }
         int64_t rank = static_cast<int64_t>(scope->large.size());
         scope->large.push_back(static_cast<int64_t>(i));
         scope->by_size[guide->sizes[i]].first.push_back(rank);
