@@ -174,7 +174,7 @@ def _tracing_ready() -> None:
         from .binding import Binding
         from .trace import flatten, trace_train
 
-        linear = nn.utils.skip_init(nn.Linear, 2, 2)
+        linear = nn.Linear(2, 2, device="meta").to_empty(device="cpu")  # nothing drawn
         with torch.no_grad():
             linear.weight.fill_(0.5)
             linear.bias.zero_()

@@ -257,7 +257,9 @@ class _Index:
     ) -> None:
         self.nodes = list(graph.nodes)
         # Per node: its kernel's scratch (``recompute``'s ``scratch``), asked once per node.
-        self._scratch_of = scratch if before is None else before._scratch_of
+        self._scratch_of: Callable[[Node], int] | None = (
+            scratch if before is None else before._scratch_of
+        )
         self._scratch: dict[Node, int] = {} if before is None else before._scratch
         self.position = {n: i for i, n in enumerate(self.nodes)}
         # Per node: its arguments as indexed (to tell a rewired node), its value's storage and

@@ -65,10 +65,10 @@ class Arenas:
         bytes of it held: the bytes ``arena`` had before another route grew it for a passing
         state, which the caller gives it back to. ``None``: none did, or ``caller`` did, or
         an accumulation call did and its gradients are held still (half its held bytes or
-        more). An evaluation between
-        accumulation calls, or an accumulation call of another batch size, keeps the growth
-        (the next accumulation call would grow the arena again, page by page, in a loop that
-        alternates); the default loop's next step (gradients ``None``) gives it back."""
+        more). An evaluation between accumulation calls, or an accumulation call of another
+        batch size, keeps the growth (the next accumulation call would grow the arena again,
+        page by page, in a loop that alternates); the default loop's next step (gradients
+        ``None``) gives it back."""
         with self._lock:
             marker = self.passing.get(arena)
             if marker is None or marker[0] == caller:

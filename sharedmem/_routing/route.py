@@ -334,9 +334,10 @@ class Route:
 
     def _give_back_passing(self, router: Any) -> None:
         """A call of this route begins on the arena: where another route's plan of a passing
-        state (an evaluation while gradients are held) grew the arena, the bytes it grew by
+        state (an evaluation while gradients are held, or an accumulation call whose
+        gradients are gone now: ``Arenas.take_passing``) grew the arena, the bytes it grew by
         are given back, down to what tensors hold (the arena as the other states planned it:
-        their calls stay at their own peaks; the evaluation grows it again when it next
+        their calls stay at their own peaks; the passing state grows it again when it next
         runs, from fresh pages)."""
         arenas = self._host.arenas
         base = arenas.base(self._arena)
