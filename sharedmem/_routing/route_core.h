@@ -20,9 +20,9 @@
 //   is free (upstream where the plan left it beside); else best fit. An allocation under
 //   ``kGuideSmall`` bytes, foreseen or not, takes the arena's bytes above the plan's top
 //   (best fit there; one of a size predicted to outlive the call, a loss, never), else is
-//   left to PyTorch (the plan leaves those beside): the first call is then served as planned, whatever the prediction missed (an allocation
-//   it did not foresee does not pull the guide ahead, nor takes a range planned for a later
-//   one).
+//   left to PyTorch (the plan leaves those beside): the first call is then served as
+//   planned, whatever the prediction missed (an allocation it did not foresee does not pull
+//   the guide ahead, nor takes a range planned for a later one).
 // - A plan may place allocations that outlive the call (gradients, the loss): they stay in the
 //   arena's live map, fenced, until freed wherever that happens.
 #pragma once
@@ -112,12 +112,13 @@ struct Scope {
 constexpr int64_t kGuideWindow = 4;
 // Allocations under this many bytes are not matched in a guided recording: each takes the
 // arena's bytes above the guide's plan (its rounding to whole granules) by best fit, else is
-// left to PyTorch (the plan leaves them beside; ``GUIDE_SMALL`` in Python). Small ones are where a traced graph's
-// decomposition and the kernels' differ most (a norm's saved statistics, a dropout's seed, a
-// scalar): matched by size to a predicted peer that dies sooner, or unforeseen and placed by
-// best fit, they would hold a range the plan keeps for a large allocation later, and every
-// allocation after would drift from the plan (a tiny GPT-2's first call: 774 KB of gradients
-// beside the arena). Upstream they cost their own few bytes.
+// left to PyTorch (the plan leaves them beside; ``GUIDE_SMALL`` in Python). Small ones are
+// where a traced graph's decomposition and the kernels' differ most (a norm's saved
+// statistics, a dropout's seed, a scalar): matched by size to a predicted peer that dies
+// sooner, or unforeseen and placed by best fit below the plan's top, they would hold a range
+// the plan keeps for a large allocation later, and every allocation after would drift from
+// the plan (a tiny GPT-2's first call: 774 KB of gradients beside the arena). Above it, or
+// upstream, they cost their own few bytes.
 constexpr size_t kGuideSmall = 1024;
 
 // What the n-th allocation of a scope gets.
@@ -158,7 +159,9 @@ class State {
           // (T5: a predicted 128-byte one that never came held the guide back, and every
           // large allocation after it missed its planned place).
           if (n < kGuideSmall) {
-            if (scope.small_kept.count(static_cast<int64_t>(n))) return {Serve::kWatched, nullptr};
+            if (scope.small_kept.count(static_cast<int64_t>(n))) {
+              return {Serve::kWatched, nullptr};
+            }
             uintptr_t start = best_fit(arena, n, arena.base + scope.guide_top);
             if (start == 0) return {Serve::kWatched, nullptr};
             take(arena, scope, start, n, index);
