@@ -151,24 +151,19 @@ class State {
       if (scope.arena && n > 0) {
         std::lock_guard<std::mutex> lock(mutex_);
         Arena& arena = *scope.arena;
-        if (scope.guide) {
-          // A small one, foreseen or not, is left to PyTorch: the prediction may have swapped
-          // it with a peer of its size that lives longer (the loss and a temporary), and in
-          // the other's place it would split the ranges the plan keeps for large ones. Nor is
-          // it matched: the small ones are where the prediction and the kernels differ most
-          // (T5: a predicted 128-byte one that never came held the guide back, and every
-          // large allocation after it missed its planned place).
-          if (n < kGuideSmall) {
-            if (scope.small_kept.count(static_cast<int64_t>(n))) {
-              return {Serve::kWatched, nullptr};
-            }
-            uintptr_t start = best_fit(arena, n, arena.base + scope.guide_top);
-            if (start == 0) return {Serve::kWatched, nullptr};
-            take(arena, scope, start, n, index);
-            append(scope, reinterpret_cast<void*>(start), n,
-                   static_cast<int64_t>(start - arena.base));
-            return {Serve::kArena, reinterpret_cast<void*>(start)};
-          }
+        uintptr_t from = 0;  // best fit at or above this address (0: the arena's base)
+        if (scope.guide && n < kGuideSmall) {
+          // A small one, foreseen or not, is not matched: the small ones are where the
+          // prediction and the kernels differ most (T5: a predicted 128-byte one that never
+          // came held the guide back, and every large allocation after it missed its planned
+          // place). Nor does it go below the plan's top: the prediction may have swapped it
+          // with a peer of its size that lives longer (the loss and a temporary), and there it
+          // would split the ranges the plan keeps for large ones. One of a size predicted to
+          // outlive the call is left to PyTorch: no tensor the user keeps is held where no
+          // plan put it.
+          if (scope.small_kept.count(static_cast<int64_t>(n))) return {Serve::kWatched, nullptr};
+          from = arena.base + scope.guide_top;
+        } else if (scope.guide) {
           auto found = scope.by_size.find(static_cast<int64_t>(n));
           if (found != scope.by_size.end() && found->second.second < found->second.first.size() &&
               found->second.first[found->second.second] <= scope.guided_to + kGuideWindow) {
@@ -184,7 +179,7 @@ class State {
             }
           }
         }
-        uintptr_t start = best_fit(arena, n);
+        uintptr_t start = best_fit(arena, n, from);
         if (start != 0) {
           take(arena, scope, start, n, index);
           append(scope, reinterpret_cast<void*>(start), n, static_cast<int64_t>(start - arena.base));
