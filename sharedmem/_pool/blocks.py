@@ -10,8 +10,10 @@ anew if it comes back. A loop that meets a new batch size every call keeps a bou
 A block's first call in an accumulation state (``params=`` given; gradients present that were
 ``None`` when the block last recorded) is planned before it runs, from that recording
 (``accumulating``): the same allocations, each gradient it made added into the one held now
-and freed. That call is served from the room the held gradients leave at its plan's peak,
-where by best fit alone it met that room split (ResNet-18, batch 8: 22% of it served, 84%).
+and freed where the recorded call stored it (a hook on each parameter notes how many
+allocations the call had made then). That call is served from the room the held gradients
+leave at its plan's peak, where by best fit alone it met that room split (ResNet-18, batch 8:
+22% of it served, 84%).
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
 
-from .._routing import Recording, Route, routes_on
+from .._routing import Recording, Route, native, routes_on
 from .._validate import check_name
 
 if TYPE_CHECKING:
@@ -83,13 +85,22 @@ def grad_state(params: torch.nn.Module | Iterable[torch.Tensor] | None) -> tuple
     return tuple(state)
 
 
-def accumulating(recording: Recording, made: Counter[int]) -> Recording:
+def accumulating(
+    recording: Recording, made: Counter[int], noted: Sequence[tuple[int, int]] = ()
+) -> Recording:
     """``recording``, a block's call that made gradients (each was ``None``), as the same
     block's call with them present predicts it: the same allocations in the same order, each
     that outlived the call with the bytes of a gradient made then (``made``: bytes, count)
-    now added into the gradient and freed; predicted freed before the third allocation after
-    it (the autograd engine runs a gradient's accumulation as soon as the node that made it
-    ends: ResNet-18's are freed within two allocations).
+    now added into the gradient and freed.
+
+    When: ``noted``, per gradient accumulated in the recorded call, its bytes and how many
+    allocations the call had made then (``StepBlocks`` notes it with a hook). The autograd
+    engine adds a gradient into the one held at the same point of its schedule as it stored
+    it there, and frees it at once: each is predicted freed before the next allocation
+    (the latest allocation of its size made before then that outlived the call). One not
+    noted is predicted freed before the third allocation after it (ResNet-18's are freed
+    within two allocations; ConvNeXt's and DenseNet's up to five after, at the end of the
+    node that made them, which only the note tells).
 
     Example::
 
@@ -99,12 +110,21 @@ def accumulating(recording: Recording, made: Counter[int]) -> Recording:
         >>> rec = Recording([64, 32, 8, 16, 4], [0, 1, 2, 3, 5], [4, -1, 6, -1, -1])
         >>> accumulating(rec, Counter({32: 1, 16: 1})).free_at
         [4, 5, 6, 7, -1]
+        >>> accumulating(rec, Counter({32: 1, 16: 1}), [(32, 2), (16, 5)]).free_at
+        [4, 2, 6, 7, -1]
     """
     left = Counter(made)
     order = sorted(range(len(recording.sizes)), key=recording.alloc_at.__getitem__)
     ticks = [recording.alloc_at[i] for i in order]
     end = max([*recording.alloc_at, *recording.free_at], default=0) + 1
     free_at = list(recording.free_at)
+    for size, count in sorted(noted, key=lambda note: note[1]):
+        for k in range(min(count, len(order)) - 1, -1, -1):
+            i = order[k]
+            if left[size] > 0 and free_at[i] < 0 and recording.sizes[i] == size:
+                left[size] -= 1
+                free_at[i] = ticks[count] if count < len(ticks) else end
+                break
     for k, i in enumerate(order):
         size = recording.sizes[i]
         if free_at[i] < 0 and size > 0 and left[size] > 0:
@@ -121,6 +141,9 @@ class StepBlocks:
         self._pool = weakref.ref(pool)
         self._size = size
         self._routes: OrderedDict[tuple[object, ...], Route] = OrderedDict()
+        # Per route kept, where its recorded call accumulated each gradient it made (bytes,
+        # allocations made then): what ``accumulating`` predicts their frees by.
+        self._noted: dict[tuple[object, ...], list[tuple[int, int]]] = {}
         self._lock = threading.Lock()  # threads may open blocks of one pool at once
         self._evicted = 0
 
@@ -133,6 +156,8 @@ class StepBlocks:
     ) -> AbstractContextManager[None]:
         check_name(name, "step name")
         check_name(arena, "arena name")
+        if params is not None and not isinstance(params, torch.nn.Module | torch.Tensor):
+            params = tuple(params)  # read again below: a generator would be spent
         grads = grad_state(params)
         pool = self._pool()
         assert pool is not None, "the pool is gone"
@@ -146,13 +171,53 @@ class StepBlocks:
                 route = self._routes[key] = Route(pool, arena, training=torch.is_grad_enabled())
                 predicted = self._accumulating(key, params)
                 if predicted is not None:
-                    route.predict(predicted)
+                    route.predict(predicted, recorded=True)
                 while len(self._routes) > self._size:
-                    self._routes.popitem(last=False)  # a call still in it keeps its own
+                    dropped, _ = self._routes.popitem(last=False)  # a call in it keeps its own
+                    self._noted.pop(dropped, None)
                     self._evicted += 1
             else:
                 self._routes.move_to_end(key)
+            noting = params is not None and route.recording is None and not all(grads)
+        if noting:
+            assert params is not None
+            return self._noting(key, route, params)
         return route.scope()
+
+    @contextmanager
+    def _noting(
+        self,
+        key: tuple[object, ...],
+        route: Route,
+        params: torch.nn.Module | Iterable[torch.Tensor],
+    ) -> Iterator[None]:
+        """``route``'s call, which records and makes gradients, with a hook on each
+        parameter whose gradient is ``None`` noting how many allocations the call had made
+        when the engine stored it there (``accumulating``: where a call of this block in the
+        accumulation state frees the gradient it makes). The hooks are gone when it ends."""
+        router = native()
+        listed = params.parameters() if isinstance(params, torch.nn.Module) else params
+        noted: list[tuple[int, int]] = []
+
+        def note(param: torch.Tensor) -> None:
+            made = -1 if router is None else int(router.allocations())
+            if made >= 0 and param.grad is not None:
+                noted.append((param.grad.untyped_storage().nbytes(), made))
+
+        handles = [
+            p.register_post_accumulate_grad_hook(note)  # type: ignore[no-untyped-call]
+            for p in listed
+            if p.grad is None and p.requires_grad and p.is_leaf
+        ]
+        try:
+            with route.scope():
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        with self._lock:
+            if route.recording is not None and key in self._routes:
+                self._noted[key] = noted
 
     def _accumulating(
         self,
@@ -182,7 +247,7 @@ class StepBlocks:
                 for p, a, b in zip(listed, was, grads, strict=True)
                 if b and not a
             )
-            return accumulating(route.recording, made)
+            return accumulating(route.recording, made, self._noted.get(other, ()))
         return None
 
     def routes(self) -> dict[tuple[object, ...], Route]:
@@ -196,6 +261,7 @@ class StepBlocks:
         with self._lock:
             dropped = len(self._routes)
             self._routes.clear()
+            self._noted.clear()
         return dropped
 
     def stats(self) -> dict[str, int]:

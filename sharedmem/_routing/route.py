@@ -168,6 +168,7 @@ class Route:
         # first call is planned by it before it runs; ``guided``: the latest recorded call
         # was served by such a plan.
         self.predicted: Recording | None = None
+        self._predicted_recorded = False  # ``predict``'s ``recorded``
         self.guided = False
         # Per set of fences (a family's: per bank left free and the fences beside, ``_key``).
         self._plans: OrderedDict[tuple[int, Fences], _Planned] = OrderedDict()
@@ -416,17 +417,23 @@ class Route:
         with the other's when this route was first planned."""
         return key(fences, self._bank)
 
-    def predict(self, recording: Recording, *, captured_from: int | None = None) -> None:
+    def predict(
+        self, recording: Recording, *, captured_from: int | None = None, recorded: bool = False
+    ) -> None:
         """``recording``: the call's allocation sequence as its traced graph predicts it (its
         measured kernels' scratch included). The route's first call is planned by it before
         it runs (``_guide``): the arena grown to that plan's need, within the pool's limit,
         and the call served at the plan's places where it keeps to the
         prediction, best fit in the arena where it does not. ``captured_from``: the arena's
         bytes before measuring the kernels grew it (``kernels.measured_in``); the first
-        replay gives back what its plan does not use, down to those bytes."""
+        replay gives back what its plan does not use, down to those bytes. ``recorded``: the
+        sequence is a recording of the same code in another state (an accumulation call's,
+        from the call that made the gradients), its small allocations foreseen as exactly as
+        its large ones: the first call matches them to the plan too."""
         with self._lock:
             self.predicted = recording
             self._captured_from = captured_from
+            self._predicted_recorded = recorded
 
     def _guide(self, lane: str, fences: Fences) -> Any | None:
         """The router's plan of the predicted sequence for a recording call on ``lane``
@@ -451,8 +458,9 @@ class Route:
         # foreseen or not: the plan places the others, and those take the arena's bytes above
         # the plan (its rounding to whole granules: BERT's first accumulation call 4,568 B
         # over eager's peak with them beside it, 1,744 B inside), else PyTorch's; those of
-        # a size predicted to outlive the call, PyTorch's.
-        small = int(module.GUIDE_SMALL)
+        # a size predicted to outlive the call, PyTorch's. A prediction that is a recording
+        # (``recorded``) foresees the small ones too: all are matched.
+        small = 1 if self._predicted_recorded else int(module.GUIDE_SMALL)
         large = [i for i, size in enumerate(predicted.sizes) if size >= small]
         sequence = Recording(
             [predicted.sizes[i] for i in large],
@@ -481,7 +489,7 @@ class Route:
         offsets = [-1 if free < 0 else -2 for free in predicted.free_at]
         for i, offset in zip(large, plan.offsets, strict=True):
             offsets[i] = offset if offset >= 0 else -2
-        return module.Plan(list(predicted.sizes), offsets, [0] * len(offsets))
+        return module.Plan(list(predicted.sizes), offsets, [0] * len(offsets), small)
 
     def _room(self, lane: str) -> torch.Tensor | None:
         """``lane`` as it is, for a recording served inside it by best fit (``None``: no

@@ -18,11 +18,12 @@
 //   predicted allocation of its size not taken yet, if that one comes at most
 //   ``kGuideWindow`` large predicted allocations past the latest one taken, and where that range
 //   is free (upstream where the plan left it beside); else best fit. An allocation under
-//   ``kGuideSmall`` bytes, foreseen or not, takes the arena's bytes above the plan's top
-//   (best fit there; one of a size predicted to outlive the call, a loss, never), else is
-//   left to PyTorch (the plan leaves those beside): the first call is then served as
-//   planned, whatever the prediction missed (an allocation it did not foresee does not pull
-//   the guide ahead, nor takes a range planned for a later one).
+//   ``kGuideSmall`` bytes (the guide's ``small``: 1 where the prediction is a recording of
+//   the same code, small ones included), foreseen or not, takes the arena's bytes above the
+//   plan's top (best fit there; one of a size predicted to outlive the call, a loss, never),
+//   else is left to PyTorch (the plan leaves those beside): the first call is then served
+//   as planned, whatever the prediction missed (an allocation it did not foresee does not
+//   pull the guide ahead, nor takes a range planned for a later one).
 // - A plan may place allocations that outlive the call (gradients, the loss): they stay in the
 //   arena's live map, fenced, until freed wherever that happens.
 #pragma once
@@ -61,11 +62,27 @@ struct Recording {
   int64_t clock = 0;  // one tick per allocation and per free, in order
 };
 
+// Allocations under this many bytes are not matched in a guided recording: each takes the
+// arena's bytes above the guide's plan (its rounding to whole granules) by best fit, else is
+// left to PyTorch (the plan leaves them beside; ``GUIDE_SMALL`` in Python). Small ones are
+// where a traced graph's decomposition and the kernels' differ most (a norm's saved
+// statistics, a dropout's seed, a scalar): matched by size to a predicted peer that dies
+// sooner, or unforeseen and placed by best fit below the plan's top, they would hold a range
+// the plan keeps for a large allocation later, and every allocation after would drift from
+// the plan (a tiny GPT-2's first call: 774 KB of gradients beside the arena). Above it, or
+// upstream, they cost their own few bytes.
+constexpr size_t kGuideSmall = 1024;
+
 struct Plan {
   // offset -1: served upstream, it outlived the recorded call (watched: if it dies inside a
   // call, the recording is stale); -2: served upstream, the plan left it out.
   std::vector<int64_t> sizes, offsets;
   std::vector<uint8_t> outlives;  // per allocation: planned to outlive the call (kept, not escaped)
+  // As a guide: allocations under this many bytes are not matched (``kGuideSmall``; 1 where
+  // the prediction is a recording of the same block in another gradient state, whose small
+  // allocations are foreseen as exactly as its large ones: DenseNet's accumulation call left
+  // 478 batch-norm gradients of 512 bytes beside the arena, 21 KB over eager's peak).
+  int64_t small = static_cast<int64_t>(kGuideSmall);
 };
 
 struct Counts {
@@ -110,17 +127,6 @@ struct Scope {
 // How far past the latest large predicted allocation taken a guided recording takes the next one of
 // an allocation's size (further: the prediction is taken to lack it, and best fit serves).
 constexpr int64_t kGuideWindow = 4;
-// Allocations under this many bytes are not matched in a guided recording: each takes the
-// arena's bytes above the guide's plan (its rounding to whole granules) by best fit, else is
-// left to PyTorch (the plan leaves them beside; ``GUIDE_SMALL`` in Python). Small ones are
-// where a traced graph's decomposition and the kernels' differ most (a norm's saved
-// statistics, a dropout's seed, a scalar): matched by size to a predicted peer that dies
-// sooner, or unforeseen and placed by best fit below the plan's top, they would hold a range
-// the plan keeps for a large allocation later, and every allocation after would drift from
-// the plan (a tiny GPT-2's first call: 774 KB of gradients beside the arena). Above it, or
-// upstream, they cost their own few bytes.
-constexpr size_t kGuideSmall = 1024;
-
 // What the n-th allocation of a scope gets.
 enum class Serve {
   kArena,     // the planned address (``Decision::address``)
@@ -152,7 +158,7 @@ class State {
         std::lock_guard<std::mutex> lock(mutex_);
         Arena& arena = *scope.arena;
         uintptr_t from = 0;  // best fit at or above this address (0: the arena's base)
-        if (scope.guide && n < kGuideSmall) {
+        if (scope.guide && static_cast<int64_t>(n) < scope.guide->small) {
           // A small one, foreseen or not, is not matched: the small ones are where the
           // prediction and the kernels differ most (T5: a predicted 128-byte one that never
           // came held the guide back, and every large allocation after it missed its planned
@@ -272,7 +278,7 @@ class State {
     if (size > 0) scope->arena = arena_at(base, size);
     if (size > 0 && guide) {
       for (size_t i = 0; i < guide->sizes.size(); ++i) {
-        if (guide->sizes[i] < static_cast<int64_t>(kGuideSmall)) {
+        if (guide->sizes[i] < guide->small) {
           if (guide->offsets[i] == -1) scope->small_kept.insert(guide->sizes[i]);
           continue;
         }
@@ -481,15 +487,19 @@ class State {
 inline void bind_plan(pybind11::module_& m) {
   pybind11::class_<Plan, std::shared_ptr<Plan>>(m, "Plan", pybind11::module_local())
       .def(pybind11::init([](std::vector<int64_t> sizes, std::vector<int64_t> offsets,
-                             std::vector<uint8_t> outlives) {
-        TORCH_CHECK(sizes.size() == offsets.size() && outlives.size() == sizes.size(),
-                    "sharedmem: a plan needs an offset and an outlives flag per size");
-        auto plan = std::make_shared<Plan>();
-        plan->sizes = std::move(sizes);
-        plan->offsets = std::move(offsets);
-        plan->outlives = std::move(outlives);
-        return plan;
-      }));
+                             std::vector<uint8_t> outlives, int64_t small) {
+             TORCH_CHECK(sizes.size() == offsets.size() && outlives.size() == sizes.size(),
+                         "sharedmem: a plan needs an offset and an outlives flag per size");
+             TORCH_CHECK(small >= 1, "sharedmem: a guide's small size is at least 1 byte");
+             auto plan = std::make_shared<Plan>();
+             plan->sizes = std::move(sizes);
+             plan->offsets = std::move(offsets);
+             plan->outlives = std::move(outlives);
+             plan->small = small;
+             return plan;
+           }),
+           pybind11::arg("sizes"), pybind11::arg("offsets"), pybind11::arg("outlives"),
+           pybind11::arg("small") = static_cast<int64_t>(kGuideSmall));
 }
 
 }  // namespace sharedmem_route

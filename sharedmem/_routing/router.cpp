@@ -148,6 +148,10 @@ std::vector<std::pair<int64_t, int64_t>> live_ranges(uintptr_t base) {
 
 bool active() { return t_scope != nullptr; }
 
+// How many allocations this thread's open scope has made so far (-1: none is open): a hook
+// that runs inside a step notes where in its sequence it ran.
+int64_t allocations() { return t_scope == nullptr ? -1 : t_scope->counts.allocations; }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -163,6 +167,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("live_bytes", &live_bytes);
   m.def("live_ranges", &live_ranges);
   m.def("active", &active);
+  m.def("allocations", &allocations);
   m.def("suspend", &suspend);
   m.def("resume", &resume);
 }
