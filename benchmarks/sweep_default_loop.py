@@ -25,7 +25,7 @@ Evaluation calls are not in the target's sequence: their peaks and shares are re
 counted as misses.
 
     python benchmarks/sweep_default_loop.py [NAME ...] [--json PATH] [--timeout S] [--jobs N]
-                                            [--log PATH] [--timeline]
+                                            [--log PATH] [--timeline] [--entry ENTRY]
 
 The events are read in one pass (``allocator_events`` here, the figures of
 ``bench_default_loop``'s reader call for call, at a fraction of its time and memory);
@@ -92,15 +92,15 @@ def allocator_events(step: Callable[[], object]) -> tuple[int, int]:
     return peak, made
 
 
-def child(name: str, timeline: bool) -> None:
-    """One model, both entry points: a line ``MARK {json}`` after each."""
+def child(name: str, timeline: bool, entry_points: tuple[str, ...] = ENTRY_POINTS) -> None:
+    """One model, each of ``entry_points``: a line ``MARK {json}`` after each."""
     import bench_default_loop
 
     if os.nice(0) < 5:
         os.nice(5 - os.nice(0))
     if not timeline:
         bench_default_loop.allocator_events = allocator_events
-    for entry_point in ENTRY_POINTS:
+    for entry_point in entry_points:
         out = io.StringIO()
         start = time.perf_counter()
         with contextlib.redirect_stdout(out):
@@ -200,14 +200,19 @@ def line(model: str, entry_point: str, s: dict[str, Any]) -> str:
 
 
 def run_model(
-    name: str, timeout: float, log: Any, timeline: bool
+    name: str,
+    timeout: float,
+    log: Any,
+    timeline: bool,
+    entry_points: tuple[str, ...] = ENTRY_POINTS,
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Both entry points' results for ``name`` from a process of its own, and what went wrong
-    there (None: nothing)."""
+    """The results of ``entry_points`` for ``name`` from a process of its own, and what went
+    wrong there (None: nothing)."""
     root = Path(__file__).resolve().parent.parent
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
     command = [sys.executable, str(Path(__file__).resolve()), "--child", name]
     command += ["--timeline"] if timeline else []
+    command += [arg for entry_point in entry_points for arg in ("--entry", entry_point)]
     env = dict(os.environ, PYTHONPATH=path)
     error = None
     try:
@@ -244,10 +249,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="read the events through PyTorch's memory timeline (slow, GBs a model)",
     )
+    parser.add_argument(
+        "--entry",
+        action="append",
+        choices=ENTRY_POINTS,
+        help="measure only this entry point (repeatable; default: both)",
+    )
     parser.add_argument("--child", metavar="NAME", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    entry_points = tuple(args.entry or ENTRY_POINTS)
     if args.child:
-        child(args.child, args.timeline)
+        child(args.child, args.timeline, entry_points)
         return 0
     names = args.names
     if not names:
@@ -267,14 +279,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(name: str) -> None:
         start = time.perf_counter()
-        got, error = run_model(name, args.timeout, log, args.timeline)
+        got, error = run_model(name, args.timeout, log, args.timeline, entry_points)
         for result in got:
             result["summary"] = summarize(result)
             results.append(result)
             print(line(name, result["entry_point"], result["summary"]), flush=True)
             missed.extend(misses(name, result["entry_point"], result["summary"]))
         done = {r["entry_point"] for r in got}
-        for entry_point in ENTRY_POINTS:
+        for entry_point in entry_points:
             if entry_point not in done:
                 why = error or "no result"
                 failures[f"{name} via {entry_point}"] = why
