@@ -301,7 +301,7 @@ class Executor:
         routed = self._routed(outputs_in_pool)
         # A routed call's first run is planned before it runs, by the sequence the graph and
         # its measured kernels predict (``Route.predict``), and records the real one.
-        measure = self.measure_kernels or not routed
+        measure = self._measures(routed)
         # Before the arena is grown for this graph: its kernels' zeros in the arena's pages.
         with measured_in(self.pool, f"{self.prefix}0") if routed else nullcontext() as room:
             traced, recomputed = self._recompute(traced, recompute, measure=measure)
@@ -502,6 +502,12 @@ class Executor:
             routes.append((sizes, compiled.route))
         return compiled
 
+    def _measures(self, routed: bool) -> bool:
+        """Whether a graph's kernels are measured (``analyse``) before it is planned: where
+        told to, and always for an unrouted call, whose ``out=`` plan places each result at
+        its measured size and each kernel's scratch beside it."""
+        return self.measure_kernels or not routed
+
     def _routed(self, outputs_in_pool: bool) -> bool:
         """Whether a call's allocations are served by the routing allocator: with the
         liveness plan, on a CPU (or emulated) pool where the router could be built or a CUDA
@@ -523,7 +529,7 @@ class Executor:
         growing anything (the planning layer's estimate stands on this)."""
         routed = self._routed(outputs_in_pool)
         # The search counts the kernels' scratch as the run's does: the same values recomputed.
-        measure = self.measure_kernels or not routed
+        measure = self._measures(routed)
         traced, _ = self._recompute(traced, recompute, measure=measure)
         analysis = analyse(traced.gm, self.device, measure=self.measure_kernels)
         plan = self._plan(analysis, traced, outputs_in_pool, routed=routed)
