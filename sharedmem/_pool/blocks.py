@@ -93,14 +93,14 @@ def accumulating(
     that outlived the call with the bytes of a gradient made then (``made``: bytes, count)
     now added into the gradient and freed.
 
-    When: ``noted``, per gradient accumulated in the recorded call, its bytes and how many
-    allocations the call had made then (``StepBlocks`` notes it with a hook). The autograd
-    engine adds a gradient into the one held at the same point of its schedule as it stored
-    it there, and frees it at once: each is predicted freed before the next allocation
-    (the latest allocation of its size made before then that outlived the call). One not
-    noted is predicted freed before the third allocation after it (ResNet-18's are freed
-    within two allocations; ConvNeXt's and DenseNet's up to five after, at the end of the
-    node that made them, which only the note tells).
+    Where each is freed comes from ``noted``: per gradient the recorded call stored, its
+    bytes and how many allocations the call had made then (``StepBlocks`` notes it with a
+    hook). The autograd engine adds a gradient into the held one at the point of its
+    schedule where it stored it, and frees it at once: the latest allocation of that size
+    made before then that outlived the call is predicted freed before the next allocation.
+    One not noted is predicted freed before the third allocation after it (ResNet-18's are
+    freed within two allocations, but ConvNeXt's and DenseNet's up to five after, at the
+    end of the node that made them, which only the note tells).
 
     Example::
 
