@@ -6,9 +6,9 @@ allocations, each new gradient added into the held one and freed. This runs a zo
 default loop through ``pool.step()`` (``none`` x2, then one accumulation call) and compares,
 for every gradient the prediction frees, how many allocations the call made while it lived:
 predicted by the fixed guess (``accumulating`` without notes: the third allocation after it)
-and by the notes the recording call took (where the engine stored each gradient), against the
-accumulation call's own recording. ``early`` is the harmful miss: the plan puts a later
-allocation in bytes the gradient still holds.
+and by the prediction the call was planned by (the recording call's notes of where the engine
+stored each gradient), against the accumulation call's own recording. ``early`` is the
+harmful miss: the plan puts a later allocation in bytes the gradient still holds.
 
     python benchmarks/accumulation_frees.py [NAME ...]    # default: ResNet-18, GPT-2
 
@@ -79,15 +79,15 @@ def run(name: str) -> tuple[Counter[str], Counter[str]]:
         train()
     train()  # the first call with the gradients present
     routes = pool._blocks.routes()
-    key_made, route_made = next((k, r) for k, r in routes.items() if not any(k[3]))
+    route_made = next(r for k, r in routes.items() if not any(k[3]))
     first = next(r for k, r in routes.items() if any(k[3]))
     assert route_made.recording is not None and first.recording is not None
+    assert first.predicted is not None  # the notes' prediction, which the call was planned by
     made = Counter(p.numel() * p.element_size() for p in model.parameters() if p.grad is not None)
-    notes = pool._blocks._noted.get(key_made, [])
     recorded = _ordered(route_made.recording)
     real = _ordered(first.recording)
     guessed = _ordered(accumulating(route_made.recording, made))
-    noted = _ordered(accumulating(route_made.recording, made, notes))
+    noted = _ordered(first.predicted)
     return verdicts(recorded, guessed, real), verdicts(recorded, noted, real)
 
 

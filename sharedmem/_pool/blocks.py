@@ -156,9 +156,11 @@ class StepBlocks:
     ) -> AbstractContextManager[None]:
         check_name(name, "step name")
         check_name(arena, "arena name")
-        if params is not None and not isinstance(params, torch.nn.Module | torch.Tensor):
-            params = tuple(params)  # read again below: a generator would be spent
-        grads = grad_state(params)
+        if params is not None and not isinstance(params, torch.Tensor):
+            # Listed once, as a tuple: read again below (a generator would be spent).
+            params = tuple(params.parameters() if isinstance(params, torch.nn.Module) else params)
+        grads = grad_state(params)  # refuses one tensor, or anything but tensors
+        assert params is None or isinstance(params, tuple)
         pool = self._pool()
         assert pool is not None, "the pool is gone"
         if not routes_on(pool):
@@ -189,14 +191,13 @@ class StepBlocks:
         self,
         key: tuple[object, ...],
         route: Route,
-        params: torch.nn.Module | Iterable[torch.Tensor],
+        params: tuple[torch.Tensor, ...],
     ) -> Iterator[None]:
         """``route``'s call, which records and makes gradients, with a hook on each
         parameter whose gradient is ``None`` noting how many allocations the call had made
         when the engine stored it there (``accumulating``: where a call of this block in the
         accumulation state frees the gradient it makes). The hooks are gone when it ends."""
         router = native()
-        listed = params.parameters() if isinstance(params, torch.nn.Module) else params
         noted: list[tuple[int, int]] = []
 
         def note(param: torch.Tensor) -> None:
@@ -206,7 +207,7 @@ class StepBlocks:
 
         handles = [
             p.register_post_accumulate_grad_hook(note)  # type: ignore[no-untyped-call]
-            for p in listed
+            for p in params
             if p.grad is None and p.requires_grad and p.is_leaf
         ]
         try:
@@ -222,7 +223,7 @@ class StepBlocks:
     def _accumulating(
         self,
         key: tuple[object, ...],
-        params: torch.nn.Module | Iterable[torch.Tensor] | None,
+        params: tuple[torch.Tensor, ...] | None,
     ) -> Recording | None:
         """The sequence a block's first call in an accumulation state (gradients present
         that were ``None``) is predicted to allocate, from the same block's recording in the
@@ -241,10 +242,9 @@ class StepBlocks:
                 continue
             if any(a and not b for a, b in zip(was, grads, strict=True)) or was == grads:
                 continue  # a gradient that was there is gone: not an accumulation
-            listed = params.parameters() if isinstance(params, torch.nn.Module) else params
             made = Counter(
                 p.numel() * p.element_size()
-                for p, a, b in zip(listed, was, grads, strict=True)
+                for p, a, b in zip(params, was, grads, strict=True)
                 if b and not a
             )
             return accumulating(route.recording, made, self._noted.get(other, ()))
