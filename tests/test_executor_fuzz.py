@@ -149,8 +149,9 @@ def check(
     pool = sm.BufferPool(device)  # one pool: every graph reuses the buffers of the others
     wrong = []
     model = copy.deepcopy(base)
-    step = sm.pooled_train_step(model, loss_fn, pool=pool, plan=plan)
-    step.recompute_heavy = heavy
+    step = sm.pooled_train_step(
+        model, loss_fn, pool=pool, plan=plan, recompute=sm.Recompute.adding(heavy)
+    )
     for x, y in data:
         torch.manual_seed(1)  # the same dropout masks for eager and each pooled call
         expected = eager_grads(copy.deepcopy(base), x, y)

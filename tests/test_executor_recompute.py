@@ -162,8 +162,12 @@ def test_heavy_recomputation_stays_within_its_allowance_and_more_allowance_saves
         cost = out.meta["recompute_cost"]
         if allowance is not True:
             assert 0 <= cost <= allowance, (allowance, cost)
-        step = sm.pooled_train_step(resnet(), F.cross_entropy, pool=sm.BufferPool("cpu"))
-        step.recompute_heavy = allowance
+        step = sm.pooled_train_step(
+            resnet(),
+            F.cross_entropy,
+            pool=sm.BufferPool("cpu"),
+            recompute=sm.Recompute.adding(allowance),
+        )
         x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
         plan = step.memory_plan(x, y)
         peaks.append(plan.pooled_bytes + plan.beside_peak)
@@ -181,8 +185,9 @@ def test_values_written_in_place_are_recomputed_with_their_writes_bit_for_bit() 
     for heavy in (False, True):
         torch.manual_seed(0)
         model = inplace_resnet()
-        step = sm.pooled_train_step(model, F.cross_entropy, pool=sm.BufferPool("cpu"))
-        step.recompute_heavy = heavy
+        step = sm.pooled_train_step(
+            model, F.cross_entropy, pool=sm.BufferPool("cpu"), recompute=sm.Recompute.adding(heavy)
+        )
         step.memory_plan(x, y)  # traces, runs nothing
         (traced,) = step._traced.values()
         graph = recompute(traced.gm, heavy=heavy)[0].graph
@@ -221,8 +226,9 @@ def test_a_write_that_reads_its_own_target_is_replayed_on_the_recomputed_value()
     model = copy.deepcopy(eager)
     x, y = torch.randn(32, 16), torch.randn(32, 16)
     F.mse_loss(eager(x), y).backward()
-    step = sm.pooled_train_step(model, F.mse_loss, pool=sm.BufferPool("cpu"))
-    step.recompute_heavy = True
+    step = sm.pooled_train_step(
+        model, F.mse_loss, pool=sm.BufferPool("cpu"), recompute=sm.Recompute.MOST
+    )
     step.memory_plan(x, y)
     (traced,) = step._traced.values()
     graph = recompute(traced.gm, heavy=True)[0].graph
@@ -305,8 +311,9 @@ def test_heavy_recomputation_takes_attention_and_split_values_again_bit_for_bit(
     eager = make()
     F.cross_entropy(eager(x), y).backward()
     model = make()
-    step = sm.pooled_train_step(model, F.cross_entropy, pool=sm.BufferPool("cpu"))
-    step.recompute_heavy = True
+    step = sm.pooled_train_step(
+        model, F.cross_entropy, pool=sm.BufferPool("cpu"), recompute=sm.Recompute.MOST
+    )
     step.memory_plan(x, y)
     (traced,) = step._traced.values()
     graph = recompute(traced.gm, heavy=True)[0].graph
@@ -356,8 +363,9 @@ def _heavy_blocks(causal: bool) -> tuple[nn.Module, Any, torch.Tensor, torch.Ten
 
     x, y = torch.randn(8, 32, 32), torch.randint(0, 10, (8,))
     eager, model = make(), make()
-    step = sm.pooled_train_step(model, F.cross_entropy, pool=sm.BufferPool("cpu"))
-    step.recompute_heavy = True
+    step = sm.pooled_train_step(
+        model, F.cross_entropy, pool=sm.BufferPool("cpu"), recompute=sm.Recompute.MOST
+    )
     step.memory_plan(x, y)
     (traced,) = step._traced.values()
     return eager, step, x, y, traced.gm.graph, recompute(traced.gm, heavy=True)[0].graph
