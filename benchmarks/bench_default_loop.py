@@ -10,7 +10,8 @@ Per call:
 - ``peak``: the call's peak, pooled / eager, by DESIGN §8: the running sum of the allocator's
   events relative to the call's start, plus for the pooled call the pool's reserved bytes
   after it, less the arena bytes tensors of earlier calls held at its start (gradients the
-  user keeps: eager holds the same bytes outside its measure, as live at the start);
+  user keeps, each in the whole 64-byte units it holds in the arena: eager holds the same
+  tensors outside its measure, as live at the start);
 - ``served``: the share of the call's allocation bytes served from the arena (what PyTorch's
   allocator served is the sum of its allocation events).
 
@@ -93,14 +94,17 @@ def grads_of(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def _held(pool: sm.BufferPool) -> int:
-    """Arena bytes tensors hold now (kept from earlier calls)."""
+    """Arena bytes tensors hold now (kept from earlier calls): each tensor's whole 64-byte
+    units, as the planner fences them (``ALIGN``: every arena address is on that grid, so
+    the rest of a held tensor's last unit is no other allocation's either)."""
     from sharedmem._routing import native
+    from sharedmem._routing.plan import ALIGN
 
     router = native()
     base = pool.arenas.base("act.0")
     if router is None or base is None or not hasattr(router, "live_ranges"):
         return 0  # no router, no arena, or a router that keeps nothing past a call
-    return sum(high - low for low, high in router.live_ranges(base))
+    return sum(-(-(high - low) // ALIGN) * ALIGN for low, high in router.live_ranges(base))
 
 
 def build(name: str) -> Any:
