@@ -34,7 +34,7 @@ from .._validate import check_name
 if TYPE_CHECKING:
     from .pool import BufferPool
 
-__all__ = ["PLAN_CACHE_SIZE", "StepBlocks", "accumulating", "grad_state", "signature_of"]
+__all__ = ["PLAN_CACHE_SIZE", "StepBlocks", "accumulating", "grad_state", "listed", "signature_of"]
 
 # The most block signatures whose plans and recordings a pool keeps (least recently used
 # dropped): a signature costs about 100 bytes per allocation of its call, so 64 of a step
@@ -62,27 +62,30 @@ def signature_of(values: tuple[object, ...]) -> tuple[object, ...]:
     return tuple(key)
 
 
-def grad_state(params: torch.nn.Module | Iterable[torch.Tensor] | None) -> tuple[bool, ...]:
-    """Which of ``params`` have a gradient now (a block's signature holds it: a step that
-    makes gradients allocates other bytes than one that adds into them)."""
+def listed(params: torch.nn.Module | Iterable[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+    """``params=`` as a tuple of its tensors, read once (a block reads them again after its
+    signature: a generator would be spent); ``()`` for ``None``."""
     if params is None:
         return ()
-    if isinstance(params, torch.nn.Module):
-        params = params.parameters()
-    elif isinstance(params, torch.Tensor):
+    if isinstance(params, torch.Tensor):
         raise TypeError(
             "sharedmem: params= takes a module or an iterable of tensors, not one tensor; "
             "pass [tensor]"
         )
-    state = []
-    for p in params:
+    found = tuple(params.parameters() if isinstance(params, torch.nn.Module) else params)
+    for p in found:
         if not isinstance(p, torch.Tensor):
             raise TypeError(
                 f"sharedmem: params= must hold tensors, got a {type(p).__name__}; pass a "
                 "module or its parameters()"
             )
-        state.append(p.grad is not None)
-    return tuple(state)
+    return found
+
+
+def grad_state(params: tuple[torch.Tensor, ...]) -> tuple[bool, ...]:
+    """Which of ``params`` (``listed``) have a gradient now (a block's signature holds it: a
+    step that makes gradients allocates other bytes than one that adds into them)."""
+    return tuple(p.grad is not None for p in params)
 
 
 def accumulating(
@@ -156,11 +159,8 @@ class StepBlocks:
     ) -> AbstractContextManager[None]:
         check_name(name, "step name")
         check_name(arena, "arena name")
-        if params is not None and not isinstance(params, torch.Tensor):
-            # Listed once, as a tuple: read again below (a generator would be spent).
-            params = tuple(params.parameters() if isinstance(params, torch.nn.Module) else params)
-        grads = grad_state(params)  # refuses one tensor, or anything but tensors
-        assert params is None or isinstance(params, tuple)
+        tensors = listed(params)  # refuses one tensor, or anything but tensors
+        grads = grad_state(tensors)
         pool = self._pool()
         assert pool is not None, "the pool is gone"
         if not routes_on(pool):
@@ -171,7 +171,7 @@ class StepBlocks:
             route = self._routes.get(key)
             if route is None:
                 route = self._routes[key] = Route(pool, arena, training=torch.is_grad_enabled())
-                predicted = self._accumulating(key, params)
+                predicted = self._accumulating(key, tensors)
                 if predicted is not None:
                     route.predict(predicted, recorded=True)
                 while len(self._routes) > self._size:
@@ -180,10 +180,9 @@ class StepBlocks:
                     self._evicted += 1
             else:
                 self._routes.move_to_end(key)
-            noting = params is not None and route.recording is None and not all(grads)
+            noting = route.recording is None and not all(grads)  # (no params: all of none)
         if noting:
-            assert params is not None
-            return self._noting(key, route, params)
+            return self._noting(key, route, tensors)
         return route.scope()
 
     @contextmanager
@@ -223,7 +222,7 @@ class StepBlocks:
     def _accumulating(
         self,
         key: tuple[object, ...],
-        params: tuple[torch.Tensor, ...] | None,
+        params: tuple[torch.Tensor, ...],
     ) -> Recording | None:
         """The sequence a block's first call in an accumulation state (gradients present
         that were ``None``) is predicted to allocate, from the same block's recording in the
@@ -233,7 +232,7 @@ class StepBlocks:
         where its plan serves 84%). The caller holds the lock."""
         grads = key[3]
         assert isinstance(grads, tuple)
-        if params is None or not any(grads):
+        if not any(grads):
             return None
         for other, route in reversed(self._routes.items()):
             was = other[3]
