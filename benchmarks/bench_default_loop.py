@@ -95,16 +95,16 @@ def grads_of(model: torch.nn.Module) -> dict[str, Any]:
 
 def _held(pool: sm.BufferPool) -> int:
     """Arena bytes tensors hold now (kept from earlier calls): each tensor's whole 64-byte
-    units, as the planner fences them (``ALIGN``: every arena address is on that grid, so
+    units, as the planner fences them (``_aligned``: every arena address is on that grid, so
     the rest of a held tensor's last unit is no other allocation's either)."""
     from sharedmem._routing import native
-    from sharedmem._routing.plan import ALIGN
+    from sharedmem._routing.plan import _aligned
 
     router = native()
     base = pool.arenas.base("act.0")
     if router is None or base is None or not hasattr(router, "live_ranges"):
         return 0  # no router, no arena, or a router that keeps nothing past a call
-    return sum(-(-(high - low) // ALIGN) * ALIGN for low, high in router.live_ranges(base))
+    return sum(high - low for low, high in _aligned(router.live_ranges(base)))
 
 
 def build(name: str) -> Any:
