@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
+import operator
 from typing import Any
 
 import torch
@@ -324,6 +326,113 @@ def test_heavy_recomputation_takes_attention_and_split_values_again_bit_for_bit(
     assert torch.equal(step(x, y), F.cross_entropy(eager(x), y).detach())
     for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+class UnbindAttention(nn.Module):
+    """timm's ViT attention: q, k and v are pieces of one ``unbind`` of the qkv product; a
+    class token is concatenated before the tokens, as a ViT's patch embedding does."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        qkv = self.qkv(self.norm(x)).reshape(batch, length, 3, self.heads, -1)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return x + self.out(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class TokenViT(nn.Module):
+    def __init__(self, blocks: int = 4, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.token = nn.Parameter(torch.randn(1, 1, width))
+        self.blocks = nn.Sequential(*(UnbindAttention(width) for _ in range(blocks)))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x)
+        tokens = torch.cat([self.token.expand(x.shape[0], -1, -1), tokens], dim=1)
+        return self.head(self.blocks(tokens)[:, 0])
+
+
+def test_heavy_recomputation_takes_values_through_an_unbind_and_a_cat_bit_for_bit() -> None:
+    # timm's ViT-tiny kept every block's attention output from the forward (12 x 2.4 MB):
+    # its inputs q, k, v are pieces of an ``unbind``, and the chain stopped there. Now a
+    # chain takes the pieces again of the qkv product computed again, and a concatenation
+    # (the class token before the patches) is computed again too.
+    from sharedmem._executor.recompute import _chain, _Index
+
+    aten = torch.ops.aten
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return TokenViT()
+
+    x, y = torch.randn(8, 15, 8), torch.randint(0, 10, (8,))
+    eager, model = make(), make()
+    F.cross_entropy(eager(x), y).backward()
+    step = sm.pooled_train_step(
+        model, F.cross_entropy, pool=sm.BufferPool("cpu"), recompute=sm.Recompute.MOST
+    )
+    step.memory_plan(x, y)
+    (traced,) = step._traced.values()
+    # The first block's attention output can be had again at the step's end, where nothing
+    # of the forward is alive: through the pieces of its qkv product, from the block's input
+    # computed again from the concatenation. (The later blocks' are further than
+    # ``MAX_CHAIN_HEAVY`` from the step's inputs.)
+    index = _Index(traced.gm.graph)
+    end = len(index.nodes) - 1
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    outputs = [n for n in index.nodes if n.target is operator.getitem and n.args[1] == 0
+               and n.args[0].target is attention]  # fmt: skip
+    assert len(outputs) == 4
+    chain = _chain(index, outputs[0], end, 0, heavy=True)
+    assert chain is not None and chain[-1] is outputs[0]
+    assert {n.target for n in chain} >= {aten.addmm.default, aten.cat.default}, chain
+    graph = recompute(traced.gm, heavy=True)[0].graph
+    assert sum(n.target is attention for n in graph.nodes) > 4  # some computed again
+    assert torch.equal(step(x, y), F.cross_entropy(eager(x), y).detach())
+    for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_value_is_recomputed_for_the_readers_after_the_busiest_node() -> None:
+    # A value read long before the busiest node and again right after it (a depthwise
+    # convolution's output, read by the next layer norm and by its own backward) is idle
+    # across that node: it is computed again at its first reader after it, whichever of its
+    # gaps is the longest (``spanning``: the search that gives as much time as lowers the
+    # peak). Here each forward convolution in turn is made the busiest node.
+    from sharedmem._executor.recompute import _candidate, _Index, _value
+
+    gm = _traced_resnet()
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    loss = next(
+        k for k, n in enumerate(nodes) if n.target is torch.ops.aten.nll_loss_forward.default
+    )
+    not_longest = 0
+    for aimed in (n for n in nodes[:loss] if n.target is torch.ops.aten.convolution.default):
+        index = _Index(gm.graph, scratch=lambda n, aimed=aimed: 10**9 if n is aimed else 0)
+        for node in gm.graph.nodes:
+            value = _value(node, heavy=True)
+            if value is None:
+                continue
+            found = _candidate(index, value, heavy=True, spanning=True)
+            if found is None:
+                continue
+            points = [index.position[value]]
+            points += [index.position[r] for r in index.readers(index.key[value])]
+            before = points[points.index(found.at) - 1]
+            assert before < index.busiest < found.at, value.name
+            assert found.at == min(p for p in points if p > index.busiest), value.name
+            gaps = [b - a for a, b in itertools.pairwise(points)]
+            not_longest += found.at - before < max(gaps)
+    assert not_longest > 0
 
 
 class DropoutBlock(nn.Module):
