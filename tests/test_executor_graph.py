@@ -178,3 +178,82 @@ def test_a_torch_without_stack_trace_anchors_gets_every_frame_to_filter_its_own_
         assert len(frames(only_forward=True)) < len(everything)
     monkeypatch.delattr(trace.fx_proxy, "_STACK_TRACE_ANCHORS", raising=False)
     assert frames(only_forward=True) == everything
+
+
+class _Residual(torch.nn.Module):
+    """Pre-norm residual MLP blocks, as a transformer's: x + fc2(gelu(fc1(norm(x))))."""
+
+    def __init__(self, width: int = 16, blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(width),
+                torch.nn.Linear(width, 8 * width),
+                torch.nn.GELU(),
+                torch.nn.Linear(8 * width, width),
+            )
+            for _ in range(blocks)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_the_floor_counts_the_backwards_values_alive_across_its_op(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # While a block's branch runs its backward, the residual stream's gradient (made before,
+    # added to the branch's after) is alive at each of its ops. A recomputation computes
+    # forward values again, never the backward's, so the floor counts it there; and no
+    # plan, measured, goes below the floor.
+    import sharedmem as sm
+    from sharedmem._executor import graph
+    from sharedmem.testing import allocator_peak
+
+    torch.manual_seed(0)
+    model, x = _Residual(), torch.randn(32, 10, 16)
+    pool = sm.BufferPool("cpu")
+    step = sm.pooled_train_step(
+        model, lambda out, _: out.square().mean(), pool=pool, recompute=sm.Recompute.MOST
+    )
+    step.memory_plan(x, x)
+    (traced,) = step._traced.values()
+    step(x, x)
+    measured = allocator_peak(lambda: step(x, x)) + pool.stats()["reserved_bytes"]
+    assert 0 < step.plan_summary().floor <= measured, (step.plan_summary().floor, measured)
+
+    def needs() -> dict[str, int]:  # per GELU backward, what it needs
+        found: list[list[tuple[int, torch.fx.Node]]] = []
+        real = graph._op_needs
+        with monkeypatch.context() as patch:
+            patch.setattr(graph, "_op_needs", lambda *a: found.append(real(*a)) or found[-1])
+            analyse(traced.gm, CPU)
+        gelu = torch.ops.aten.gelu_backward.default
+        return {node.name: need for need, node in found[0] if node.target is gelu}
+
+    counted = needs()
+    monkeypatch.setattr(graph, "_backward_storages", lambda nodes, storages: {})
+    uncounted = needs()
+    assert len(counted) == 3 and counted.keys() == uncounted.keys()
+    stream_gradient = x.numel() * x.element_size()
+    # In graph order: the last block's branch first. The first block's runs last, when the
+    # stream's gradient is read by nothing after it (the input takes no gradient).
+    *crossed, last = counted
+    for name in crossed:
+        assert counted[name] - uncounted[name] >= stream_gradient, name
+    assert counted[last] == uncounted[last]
+
+
+def test_the_floor_counts_a_result_written_over_its_dying_operand_once() -> None:
+    # ``exp`` writes its result over ``y``, which dies there (``Analysis.inplace``): the op
+    # needs one buffer of their size, not two, and no plan goes below what the floor says.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        return y.exp().sum()
+
+    _, analysis, _ = lifetime_by_op(fn, torch.randn(256, 256))
+    size = 256 * 256 * 4
+    assert analysis.inplace  # the pair the planner shares a buffer for
+    assert size <= analysis.floor < 2 * size, analysis.floor

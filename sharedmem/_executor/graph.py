@@ -104,7 +104,8 @@ class Analysis:
         beside_returned: per value of ``beside``, whether a graph output reads it (it
             outlives the call).
         floor: the most bytes one op needs live at once: its operands, results and measured
-            scratch beside what outlives the call (gradients) made before it. No placement and no
+            scratch beside what outlives the call (gradients) made before it and the backward's
+            values made before it and read after it (``_op_needs``). No placement and no
             recomputation that runs these ops in this order goes below it.
         floor_op: that op, and where in the model it comes from.
     """
@@ -266,7 +267,10 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     unpooled_bytes = sum(n for n, _ in unpooled)
     sizes = {key: starts[i][0] for key, i in owner.items()}
     sizes.update((key, plain[i][1]) for key, i in plain_owner.items())
-    floor, floor_at = _floor(nodes, storages, sizes, kept, measured_scratch)
+    # A pointwise result written over its dying operand (``inplace``) takes no bytes of its own.
+    over_bytes = {starts[result][1]: starts[result][0] for result, _, _ in found}
+    needs = _op_needs(nodes, storages, sizes, kept, measured_scratch, over_bytes)
+    floor, floor_at = max(needs, key=lambda need: need[0], default=(0, None))
     return Analysis(
         steps,
         lifetimes,
@@ -286,30 +290,86 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     )
 
 
-def _floor(
+def _op_needs(
     nodes: list[Node],
     storages: dict[Node, set[StorageWeakRef]],
     sizes: dict[StorageWeakRef, int],
     kept: set[StorageWeakRef],
     scratch: dict[int, int],
-) -> tuple[int, Node | None]:
-    """The most bytes one op needs live, and the op (``Analysis.floor``). Storages that
-    were there before the call (parameters, inputs) have no size here: they are not the
-    step's own bytes."""
-    made: set[StorageWeakRef] = set()  # storages that outlive the call, made so far
-    made_bytes = best = 0
-    at = None
+    over_bytes: dict[int, int],
+) -> list[tuple[int, Node]]:
+    """Per op, in graph order, the bytes it needs live, and the op (the most of them is
+    ``Analysis.floor``). Storages that were there before the call (parameters, inputs) have
+    no size here: they are not the step's own bytes.
+
+    Beside the op's own bytes and what outlives the call made so far: the backward's values
+    made before the op and read after it (the gradient of a residual stream while a branch's
+    backward runs; a decomposed GELU's incoming gradient between the products that read it).
+    A recomputation computes forward values again, never the backward's, so these are alive
+    at the op in every plan. Less, where the op's result is written over an operand that dies
+    there (``over_bytes``, by position: the pointwise pairs of ``Analysis.inplace``)."""
+    uses: list[set[StorageWeakRef]] = []
+    first: dict[StorageWeakRef, int] = {}
+    last: dict[StorageWeakRef, int] = {}
     for i, node in enumerate(nodes):
+        used = set(storages[node]).union(*(storages[u] for u in node.all_input_nodes))
+        uses.append(used)
+        for key in used:
+            first.setdefault(key, i)
+            last[key] = i
+    crossing = [0] * (len(nodes) + 1)  # per node, the backward's bytes alive across it
+    # Each from the backward's first write of it (a forward buffer the backward writes in
+    # place holds forward values until then, which a recomputation could make again).
+    backward = {k: i for k, i in _backward_storages(nodes, storages).items() if k not in kept}
+    for key, since in backward.items():
+        if last[key] - since > 1:
+            crossing[since + 1] += sizes.get(key, 0)
+            crossing[last[key]] -= sizes.get(key, 0)
+    made: set[StorageWeakRef] = set()  # storages that outlive the call, made so far
+    made_bytes = across = 0
+    needs = []
+    for i, node in enumerate(nodes):
+        across += crossing[i]
         if node.op != "call_function":
             continue
-        used = set(storages[node]).union(*(storages[u] for u in node.all_input_nodes))
+        used = uses[i]
+        read = sum(sizes.get(k, 0) for k in used & backward.keys() if backward[k] < i < last[k])
         need = made_bytes + sum(sizes.get(k, 0) for k in used - made) + scratch.get(i, 0)
-        if need > best:
-            best, at = need, node
+        need += across - read  # what the op reads of them counts once
+        need -= over_bytes.get(i, 0)  # its result written over an operand that dies there
+        needs.append((need, node))
         for key in storages[node] & kept - made:
             made.add(key)
             made_bytes += sizes.get(key, 0)
-    return best, at
+    return needs
+
+
+def _backward_storages(
+    nodes: list[Node], storages: dict[Node, set[StorageWeakRef]]
+) -> dict[StorageWeakRef, int]:
+    """The storages the backward writes, each with the position of its first such write:
+    those of every value computed from the gradient ``autograd.grad`` seeds the loss with
+    (``ones_like`` of the step's first output, the loss); none in a graph without one (a
+    forward alone)."""
+    outputs = graph_outputs(nodes[-1]) if nodes and nodes[-1].op == "output" else []
+    loss = outputs[0] if outputs and isinstance(outputs[0], Node) else None
+    if loss is None:
+        return {}
+    derived: set[Node] = set()
+    found: dict[StorageWeakRef, int] = {}
+    for i, node in enumerate(nodes):
+        seeded = (
+            node.target is torch.ops.aten.ones_like.default
+            and isinstance(node.args[0], Node)
+            and storages[node.args[0]] & storages[loss]
+        )
+        if node.op == "call_function" and (
+            seeded or any(u in derived for u in node.all_input_nodes)
+        ):
+            derived.add(node)
+            for key in storages[node]:
+                found.setdefault(key, i)
+    return found
 
 
 def measured_scratch(node: Node) -> int:

@@ -160,7 +160,8 @@ class Fitted:
                 "bytes at the least"
                 + (
                     f"; none goes below {floor:,} bytes, what {op} needs at once (its "
-                    "operands, results and scratch beside the gradients made before it)"
+                    "operands, results and scratch beside the gradients made before it and "
+                    "still alive)"
                     if floor
                     else ""
                 )
