@@ -328,16 +328,9 @@ def test_heavy_recomputation_takes_attention_and_split_values_again_bit_for_bit(
         assert torch.equal(p.grad, q.grad), name
 
 
-class UnbindAttention(nn.Module):
-    """timm's ViT attention: q, k and v are pieces of one ``unbind`` of the qkv product; a
-    class token is concatenated before the tokens, as a ViT's patch embedding does."""
-
-    def __init__(self, width: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
-        self.out = nn.Linear(width, width)
-        self.norm = nn.LayerNorm(width)
+class UnbindAttention(Attention):
+    """timm's ViT attention: q, k and v are pieces of one ``unbind`` of the qkv product, and no
+    causal mask."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
@@ -348,6 +341,9 @@ class UnbindAttention(nn.Module):
 
 
 class TokenViT(nn.Module):
+    """``UnbindAttention`` blocks after a class token concatenated before the tokens, as a
+    ViT's patch embedding does."""
+
     def __init__(self, blocks: int = 4, width: int = 32) -> None:
         super().__init__()
         self.embed = nn.Linear(8, width)
