@@ -309,13 +309,11 @@ def _op_needs(
     at the op in every plan. Less, where the op's result is written over an operand that dies
     there (``over_bytes``, by position: the pointwise pairs of ``Analysis.inplace``)."""
     uses: list[set[StorageWeakRef]] = []
-    first: dict[StorageWeakRef, int] = {}
-    last: dict[StorageWeakRef, int] = {}
+    last: dict[StorageWeakRef, int] = {}  # per storage, the last op that reads or writes it
     for i, node in enumerate(nodes):
         used = set(storages[node]).union(*(storages[u] for u in node.all_input_nodes))
         uses.append(used)
         for key in used:
-            first.setdefault(key, i)
             last[key] = i
     crossing = [0] * (len(nodes) + 1)  # per node, the backward's bytes alive across it
     # Each from the backward's first write of it (a forward buffer the backward writes in

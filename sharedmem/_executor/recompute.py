@@ -128,14 +128,13 @@ def recompute(
     (ConvNeXt-T: stage 4's depthwise convolution backward, 38.7 MB of oneDNN scratch, where
     without them it aimed at stage 1's GELU backward); ``None``: none counted."""
     limit = STEPS_PER_NODE * len(gm.graph.nodes) if steps is None else steps
-    giving = heavy is not False and heavy != 0
     # Which gap of a value's reads it is computed again across (``_candidate``): its longest,
     # for the default; giving time, both that and the one across the busiest node are
     # searched and the lower plan kept (each lowers some steps' peaks more than the other:
     # GPT-2's within 15% 41.3 MB the first, 48.4 MB the second; within 35%, 39.9 MB and
     # 35.7 MB; as much as lowers the peak, ViT-tiny's 55.6 MB and 53.2 MB, and the demo's
     # MLP adding into its gradients fits its budget by the first alone).
-    rules = (False, True) if giving else (False,)
+    rules = (False, True) if _gives_time(heavy) else (False,)
     found = [_search(gm, heavy, limit, scratch, spanning) for spanning in rules]
     searches = [s for s in found if s is not None]
     if not searches:
@@ -169,7 +168,7 @@ def _search(
     fakes = fake_mode(graph)
     if fakes is None or not _static(graph):
         return None
-    giving = heavy is not False and heavy != 0
+    giving = _gives_time(heavy)
     total = graph_cost(graph) if giving else 0.0  # the step's own, as traced
     search = _Search(graph, fakes, limit, scratch, spanning)
     _in_graph_order(search)  # the default's, free: always first
@@ -177,6 +176,11 @@ def _search(
         _cheapest_first(search, math.inf if heavy is True else float(heavy) * total)
         search.spent /= total or 1.0
     return search
+
+
+def _gives_time(heavy: bool | float) -> bool:
+    """Whether ``heavy`` gives time for memory (``True`` or a fraction above 0)."""
+    return heavy is not False and heavy != 0
 
 
 class _Search:
