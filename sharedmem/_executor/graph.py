@@ -48,6 +48,7 @@ __all__ = [
     "op_sequence",
     "size_arithmetic",
     "storage_key",
+    "value_layout",
 ]
 
 _PLAIN = OpRule(Kind.PLAIN)
@@ -104,9 +105,11 @@ class Analysis:
         beside_returned: per value of ``beside``, whether a graph output reads it (it
             outlives the call).
         floor: the most bytes one op needs live at once: its operands, results and measured
-            scratch beside what outlives the call (gradients) made before it and the backward's
-            values made before it and read after it (``_op_needs``). No placement and no
-            recomputation that runs these ops in this order goes below it.
+            scratch beside what outlives the call (gradients) made before it
+            (``_op_needs``), a pointwise result counted once with an operand it can be
+            written over. No placement and no recomputation that runs these ops in this
+            order goes below it: the executor gives the floor of the step as traced, before
+            anything is computed again (``plan_summary().floor``).
         floor_op: that op, and where in the model it comes from.
     """
 
@@ -267,8 +270,12 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     unpooled_bytes = sum(n for n, _ in unpooled)
     sizes = {key: starts[i][0] for key, i in owner.items()}
     sizes.update((key, plain[i][1]) for key, i in plain_owner.items())
-    # A pointwise result written over its dying operand (``inplace``) takes no bytes of its own.
-    over_bytes = {starts[result][1]: starts[result][0] for result, _, _ in found}
+    # A pointwise result takes no bytes of its own where it can be written over an operand:
+    # one that dies there (``inplace``), or one read again later, whose later readers a plan
+    # can serve by computing it again (``recompute``), so that it dies there too.
+    returned_lives = {owner[k] for k in kept if k in owner}
+    could = _inplace(steps, storages, owner, ends, may_die=set(range(len(starts))) - returned_lives)
+    over_bytes = {starts[result][1]: starts[result][0] for result, _, _ in could}
     needs = _op_needs(nodes, storages, sizes, kept, measured_scratch, over_bytes)
     floor, floor_at = max(needs, key=lambda need: need[0], default=(0, None))
     return Analysis(
@@ -299,75 +306,29 @@ def _op_needs(
     over_bytes: dict[int, int],
 ) -> list[tuple[int, Node]]:
     """Per op, in graph order, the bytes it needs live, and the op (the most of them is
-    ``Analysis.floor``). Storages that were there before the call (parameters, inputs) have
-    no size here: they are not the step's own bytes.
+    ``Analysis.floor``): its operands, results and measured scratch, beside what outlives the
+    call made before it (the gradients), less a result it can write over an operand
+    (``over_bytes``, by position). Storages that were there before the call (parameters,
+    inputs) have no size here: they are not the step's own bytes.
 
-    Beside the op's own bytes and what outlives the call made so far: the backward's values
-    made before the op and read after it (the gradient of a residual stream while a branch's
-    backward runs; a decomposed GELU's incoming gradient between the products that read it).
-    A recomputation computes forward values again, never the backward's, so these are alive
-    at the op in every plan. Less, where the op's result is written over an operand that dies
-    there (``over_bytes``, by position: the pointwise pairs of ``Analysis.inplace``)."""
-    uses: list[set[StorageWeakRef]] = []
-    last: dict[StorageWeakRef, int] = {}  # per storage, the last op that reads or writes it
-    for i, node in enumerate(nodes):
-        used = set(storages[node]).union(*(storages[u] for u in node.all_input_nodes))
-        uses.append(used)
-        for key in used:
-            last[key] = i
-    crossing = [0] * (len(nodes) + 1)  # per node, the backward's bytes alive across it
-    # Each from the backward's first write of it (a forward buffer the backward writes in
-    # place holds forward values until then, which a recomputation could make again).
-    backward = {k: i for k, i in _backward_storages(nodes, storages).items() if k not in kept}
-    for key, since in backward.items():
-        if last[key] - since > 1:
-            crossing[since + 1] += sizes.get(key, 0)
-            crossing[last[key]] -= sizes.get(key, 0)
+    Nothing else is alive at the op in every plan. A value made before it and read after it
+    can be computed again for its later readers, the backward's too: GPT-2's decomposed GELU
+    backward computes two of its products again where they are read, from values alive
+    there, rather than keep them across the products between (8.4 MB of its 33.6 MB)."""
     made: set[StorageWeakRef] = set()  # storages that outlive the call, made so far
-    made_bytes = across = 0
+    made_bytes = 0
     needs = []
     for i, node in enumerate(nodes):
-        across += crossing[i]
         if node.op != "call_function":
             continue
-        used = uses[i]
-        read = sum(sizes.get(k, 0) for k in used & backward.keys() if backward[k] < i < last[k])
+        used = set(storages[node]).union(*(storages[u] for u in node.all_input_nodes))
         need = made_bytes + sum(sizes.get(k, 0) for k in used - made) + scratch.get(i, 0)
-        need += across - read  # what the op reads of them counts once
-        need -= over_bytes.get(i, 0)  # its result written over an operand that dies there
+        need -= over_bytes.get(i, 0)
         needs.append((need, node))
         for key in storages[node] & kept - made:
             made.add(key)
             made_bytes += sizes.get(key, 0)
     return needs
-
-
-def _backward_storages(
-    nodes: list[Node], storages: dict[Node, set[StorageWeakRef]]
-) -> dict[StorageWeakRef, int]:
-    """The storages the backward writes, each with the position of its first such write:
-    those of every value computed from the gradient ``autograd.grad`` seeds the loss with
-    (``ones_like`` of the step's first output, the loss); none in a graph without one (a
-    forward alone)."""
-    outputs = graph_outputs(nodes[-1]) if nodes and nodes[-1].op == "output" else []
-    loss = outputs[0] if outputs and isinstance(outputs[0], Node) else None
-    if loss is None:
-        return {}
-    derived: set[Node] = set()
-    found: dict[StorageWeakRef, int] = {}
-    for i, node in enumerate(nodes):
-        seeded = (
-            node.target is torch.ops.aten.ones_like.default
-            and isinstance(node.args[0], Node)
-            and storages[node.args[0]] & storages[loss]
-        )
-        if node.op == "call_function" and (
-            seeded or any(u in derived for u in node.all_input_nodes)
-        ):
-            derived.add(node)
-            for key in storages[node]:
-                found.setdefault(key, i)
-    return found
 
 
 def measured_scratch(node: Node) -> int:
@@ -422,11 +383,13 @@ def _inplace(
     storages: dict[Node, set[StorageWeakRef]],
     owner: dict[StorageWeakRef, int],
     ends: list[int],
+    may_die: set[int] | frozenset[int] = frozenset(),
 ) -> list[tuple[int, int, Node]]:
     # A pointwise kernel reads element k of its operands before it writes element k of its
     # result, so writing over an operand with the very same layout is what ``add_`` does.
     # Without this, a backward chain (max_pool2d_backward -> threshold_backward) needs a
     # buffer for the dying operand and another for the result at the same moment.
+    # ``may_die``: lifetimes taken as dying at every op that reads them (the floor's).
     pairs: list[tuple[int, int, Node]] = []
     used: set[int] = set()
     for step in steps:
@@ -440,19 +403,23 @@ def _inplace(
         for operand in operands:
             keys = storages[operand]
             life = owner.get(next(iter(keys))) if len(keys) == 1 else None
-            if life is None or life in used or ends[life] != step.index:
+            dies = ends[life] == step.index if life is not None else False
+            if life is None or life in used or not (dies or life in may_die):
                 continue
             # Every operand on that storage must be exactly the result's layout: a partial
             # overlap (a transposed view of it) would be read after being overwritten.
             same = [o for o in operands if storages[o] == keys]
-            if all(_layout(o) == _layout_of(result) for o in same):
+            if all(value_layout(o) == _layout_of(result) for o in same):
                 pairs.append((step.lifetimes[0], life, operand))
-                used.add(life)
+                if dies:  # (one taken as dying serves each of its readers so)
+                    used.add(life)
                 break
     return pairs
 
 
-def _layout(node: Node) -> tuple[object, ...]:
+def value_layout(node: Node) -> tuple[object, ...]:
+    """The shape, strides, dtype and storage offset of ``node``'s value (``()`` for one that
+    is not a tensor): a pointwise result may be written over an operand of its very layout."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return ()

@@ -160,11 +160,11 @@ class PlanSummary:
             hidden in memory traffic the step saves).
         routed: where the routing allocator serves the call from the arena, its recorded
             plan in words ("" without the router, or before the first call ran).
-        floor: the most bytes one op of the graph needs live at once (its operands, results
+        floor: the most bytes one op of the step needs live at once (its operands, results
             and measured scratch, beside the gradients and other returned values made before
-            it, and the backward's values made before it and read after it; a result written
-            over an operand that dies there counted once): no placement and no recomputation
-            of these ops goes below it.
+            it; a pointwise result counted once with an operand it can be written over), on
+            the graph as traced: no placement and no recomputation goes below it, and every
+            plan of the step has the same.
         floor_op: that op, and where in the model it comes from.
         planned_peak: the plan's peak: the pool bytes it uses (on a pool of its own) and the
             most bytes beside the pool live at once in a call (gradients and loss included).

@@ -160,8 +160,7 @@ class Fitted:
                 "bytes at the least"
                 + (
                     f"; none goes below {floor:,} bytes, what {op} needs at once (its "
-                    "operands, results and scratch beside the gradients made before it and "
-                    "still alive)"
+                    "operands, results and scratch beside the gradients made before it)"
                     if floor
                     else ""
                 )
