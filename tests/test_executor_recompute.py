@@ -235,7 +235,7 @@ def test_a_write_that_reads_its_own_target_is_replayed_on_the_recomputed_value()
     (traced,) = step._traced.values()
     graph = recompute(traced.gm, heavy=True)[0].graph
     adds = [n for n in graph.nodes if n.target is torch.ops.aten.add_.Tensor]
-    assert len(adds) == 2, "h.add_(h) was not replayed"
+    assert len(adds) >= 2, "h.add_(h) was not replayed"  # (on each copy made of ``h``)
     assert all(n.args[0] is n.args[1] for n in adds)  # each on its own value
     assert torch.equal(step(x, y), F.mse_loss(eager(x), y).detach())
     for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):

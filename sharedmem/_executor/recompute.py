@@ -22,8 +22,11 @@ where it is a quarter or less of the value: GPT-2's causal mask beside its atten
 scores); the value's readers before the gap stay as they are; the value is reached only
 through itself and views of it (no in-place writes); and it is idle across the step's
 busiest node (elsewhere it would cost time for nothing). The search that chooses them is
-bounded in steps (``PATIENCE``, ``STEPS_PER_NODE``) and returns the best plan it went
-through, so planning always returns, with the same plan for the same graph.
+bounded in steps (``PATIENCE``, ``STEPS_PER_NODE``, and giving time ``MAX_GENERATIONS``) and
+returns the best plan it went through, so planning always returns, with the same plan for
+the same graph. Giving time, it runs four ways (``_Way``) and keeps the plan whose modelled
+peak, counting a result written over its dying operand once as the executor places it, is
+the lowest.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from torch.fx.node import Argument
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .cost import graph_cost, op_cost
-from .graph import fake_mode, fresh_fake, storage_key
+from .graph import fake_mode, fresh_fake, storage_key, value_layout
 from .ops import EMPTY_FACTORIES
 from .replay import replay_op, replayable, rng_state_op, state_bytes
 
@@ -98,6 +101,13 @@ REPLAY_MIN_RATIO = 4
 # the busiest node and makes another as busy).
 PATIENCE = 32
 STEPS_PER_NODE = 1
+# Giving time, a value computed again may be computed again from its copy, and that copy
+# from its own, up to this many copies deep. Two copies read late can otherwise move past
+# each other for ever at the cost of a matrix product each, as a conveyor (ViT-tiny's search,
+# counting a result written over its dying operand once, did from step 60 on and stopped at
+# 197.7 MB; with this bound, 45.9 MB); GPT-2's lowest plans take copies of copies.
+MAX_GENERATIONS = 3
+_GENERATION = "sharedmem_recomputed"  # a copy's meta: how many copies deep it is
 
 
 def recompute(
@@ -128,14 +138,17 @@ def recompute(
     (ConvNeXt-T: stage 4's depthwise convolution backward, 38.7 MB of oneDNN scratch, where
     without them it aimed at stage 1's GELU backward); ``None``: none counted."""
     limit = STEPS_PER_NODE * len(gm.graph.nodes) if steps is None else steps
-    # Which gap of a value's reads it is computed again across (``_candidate``): its longest,
-    # for the default; giving time, both that and the one across the busiest node are
-    # searched and the lower plan kept (each lowers some steps' peaks more than the other:
-    # GPT-2's within 15% 41.3 MB the first, 48.4 MB the second; within 35%, 39.9 MB and
-    # 35.7 MB; as much as lowers the peak, ViT-tiny's 55.6 MB and 53.2 MB, and the demo's
-    # MLP adding into its gradients fits its budget by the first alone).
-    rules = (False, True) if _gives_time(heavy) else (False,)
-    found = [_search(gm, heavy, limit, scratch, spanning) for spanning in rules]
+    # How a search runs (``_Way``): the default's, one way. Giving time, four: which gap of a
+    # value's reads it is computed again across (``_candidate``: its longest, or the one
+    # across the busiest node), and whether the peak that steers it counts a result written
+    # over its dying operand once, as the executor places it. No way wins everywhere (GPT-2
+    # within 35%: the longest gap 39.9 MB, the busiest node's 35.7 MB; ViT-tiny within 15%:
+    # 127.5 MB steered without the shared count, 173.5 MB with it; as much as lowers the
+    # peak, 55.6 MB without, 45.9 MB with; the demo's MLP adding into its gradients meets
+    # its budget by the longest gap alone), so every plan of every way is judged on the
+    # model closest to the measured peak, the shared count, and the lowest kept.
+    ways = _WAYS if _gives_time(heavy) else (_Way(spanning=False, shared=False),)
+    found = [_search(gm, heavy, limit, scratch, way) for way in ways]
     searches = [s for s in found if s is not None]
     if not searches:
         return gm, 0  # (a data-dependent shape is refused, with its source line, by analyse)
@@ -143,7 +156,7 @@ def recompute(
     peaks = search.peaks
     best = max(i for i, peak in enumerate(peaks) if peak == min(peaks))
     if best < search.count:  # found again, as deterministic as the first time
-        again = _search(gm, heavy, best, scratch, search.spanning)
+        again = _search(gm, heavy, best, scratch, search.way)
         assert again is not None and again.peaks[-1] == peaks[best], (peaks, best)
         search = again
     if not search.count:
@@ -153,16 +166,28 @@ def recompute(
     return result, search.count
 
 
+class _Way(NamedTuple):
+    """How one search runs: which gap of a value's reads it is computed again across (the
+    one that spans the busiest node, or its longest: ``_candidate``), and whether the peak
+    that steers it counts a result written over its dying operand once (``_Index``)."""
+
+    spanning: bool
+    shared: bool
+
+
+_WAYS = tuple(_Way(spanning, shared) for shared in (False, True) for spanning in (False, True))
+
+
 def _search(
     gm: GraphModule,
     heavy: bool | float,
     limit: int,
     scratch: Callable[[Node], int] | None,
-    spanning: bool,
+    way: _Way,
 ) -> _Search | None:
     """Up to ``limit`` steps of the search on a copy of ``gm``, or ``None`` where its shapes
-    are not static; ``spanning``: values are computed again across the gap of their reads
-    that spans the busiest node, not their longest (``_candidate``)."""
+    are not static. Its plans are judged (``_Search.peaks``) with the shared count where
+    time is given, as the default's always were without it."""
     graph = Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     fakes = fake_mode(graph)
@@ -170,7 +195,7 @@ def _search(
         return None
     giving = _gives_time(heavy)
     total = graph_cost(graph) if giving else 0.0  # the step's own, as traced
-    search = _Search(graph, fakes, limit, scratch, spanning)
+    search = _Search(graph, fakes, limit, scratch, way, judged_shared=giving)
     _in_graph_order(search)  # the default's, free: always first
     if giving:
         _cheapest_first(search, math.inf if heavy is True else float(heavy) * total)
@@ -184,7 +209,8 @@ def _gives_time(heavy: bool | float) -> bool:
 
 
 class _Search:
-    """One graph's recomputation as it goes: the graph and its index, and the modelled peak
+    """One graph's recomputation as it goes: the graph and its index, and the peak its plan
+    is judged by (``judged_shared``: counting a result written over its dying operand once)
     before the first step and after each."""
 
     def __init__(
@@ -193,11 +219,15 @@ class _Search:
         fakes: object,
         limit: int,
         scratch: Callable[[Node], int] | None,
-        spanning: bool,
+        way: _Way,
+        *,
+        judged_shared: bool,
     ) -> None:
-        self.graph, self.fakes, self.limit, self.spanning = graph, fakes, limit, spanning
-        self.index = _Index(graph, scratch=scratch)
-        self.peaks = [self.index.peak]
+        self.graph, self.fakes, self.limit, self.way = graph, fakes, limit, way
+        self.spanning = way.spanning
+        self.judged_shared = judged_shared
+        self.index = _Index(graph, scratch=scratch, shared=way.shared)
+        self.peaks = [self.index.judged(judged_shared)]
         self.best = 0  # the first step count at the lowest peak so far
         self.spent = 0.0  # the modelled time of the heavy steps
 
@@ -213,8 +243,8 @@ class _Search:
         _apply(self.graph, self.index, found, self.fakes)
         # The busiest node moves as values are recomputed: indexed again, from the last.
         self.index = _Index(self.graph, self.index)
-        self.peaks.append(self.index.peak)
-        if self.index.peak < self.peaks[self.best]:
+        self.peaks.append(self.index.judged(self.judged_shared))
+        if self.peaks[-1] < self.peaks[self.best]:
             self.best = self.count
         self.spent += cost
 
@@ -245,6 +275,8 @@ def _cheapest_first(search: _Search, allowance: float) -> None:
         for node in search.graph.nodes:
             value = _value(node, heavy=True)
             if value is None or value not in search.index.position:
+                continue
+            if value.meta.get(_GENERATION, 0) >= MAX_GENERATIONS:
                 continue
             found = _candidate(index, value, heavy=True, spanning=search.spanning)
             if found is None:
@@ -287,8 +319,11 @@ class _Index:
         graph: Graph,
         before: _Index | None = None,
         scratch: Callable[[Node], int] | None = None,
+        shared: bool = False,
     ) -> None:
         self.nodes = list(graph.nodes)
+        # Whether the modelled peak counts a result written over its dying operand once.
+        self._shared: bool = shared if before is None else before._shared
         # Per node: its kernel's scratch (``recompute``'s ``scratch``), asked once per node.
         self._scratch_of: Callable[[Node], int] | None = (
             scratch if before is None else before._scratch_of
@@ -345,18 +380,24 @@ class _Index:
             for target in self._writes_to[n]:
                 if target in self.key:
                     self.written.setdefault(self.key[target], []).append(self.position[n])
-        self.busiest, self.peak = self._busiest()
+        self.busiest, self.peak = self._busiest(self._shared)
 
     def unchanged(self, node: Node, after: int, before: int) -> bool:
         """Whether nothing writes ``node``'s storage between those two positions."""
         key = self.key.get(node)
         return key is not None and not any(after < at < before for at in self.written.get(key, ()))
 
-    def _busiest(self) -> tuple[int, int]:
+    def judged(self, shared: bool) -> int:
+        """The modelled peak, ``shared`` or not (``_busiest``)."""
+        return self.peak if shared == self._shared else self._busiest(shared)[1]
+
+    def _busiest(self, shared: bool) -> tuple[int, int]:
         """The node where the most bytes of the graph's own storages are alive (each from its
         first member to its last reader, and a kernel's scratch at its node where
-        ``scratch`` gives it; an estimate that ignores in-place reuse, enough to tell which
-        values are idle across the peak), and how many (the modelled peak)."""
+        ``scratch`` gives it; an estimate, enough to tell which values are idle across the
+        peak), and how many (the modelled peak). ``shared``: a result written over its dying
+        operand counts once, as the executor places it (closer to the measured peak: the
+        search steered so reaches ViT-tiny's least memory 15% lower)."""
         live = [0] * (len(self.nodes) + 1)
         for key, members in self.members.items():
             if key in self.inputs:
@@ -374,12 +415,38 @@ class _Index:
                     if n not in self._scratch:
                         self._scratch[n] = self._scratch_of(n)
                     scratch[i] = self._scratch[n]
+        if shared:  # a result written over its dying operand: one buffer
+            for i, n in enumerate(self.nodes):
+                scratch[i] -= self._written_over(n)
         best = at = total = 0
         for i, delta in enumerate(live[:-1]):
             total += delta
             if total + scratch[i] > best:
                 best, at = total + scratch[i], i
         return at, best
+
+    def _written_over(self, node: Node) -> int:
+        """The bytes of ``node``'s result where the executor writes it over an operand that
+        dies there (a pointwise op, an operand of the result's very layout: ``analyse``'s
+        ``inplace``), 0 elsewhere: at that node the two take one buffer."""
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, OpOverload):
+            return 0
+        if torch.Tag.pointwise not in target.tags or _writes(node):
+            return 0
+        val, key = node.meta.get("val"), self.key.get(node)
+        if not isinstance(val, torch.Tensor) or key is None or self.members[key][0] is not node:
+            return 0
+        layout = value_layout(node)
+        for arg in node.args:
+            other = self.key.get(arg) if isinstance(arg, Node) else None
+            if other is None or other == key or other in self.inputs:
+                continue
+            readers = self.readers(other)
+            dies = bool(readers) and readers[-1] is node
+            if dies and value_layout(arg) == layout:  # type: ignore[arg-type]
+                return self._nbytes[key]
+        return 0
 
     def readers(self, key: StorageWeakRef) -> list[Node]:
         """The nodes that read the storage ``key`` (not its aliases), in graph order."""
@@ -837,6 +904,7 @@ def _emit(graph: Graph, value: Node, made: dict[Node, Node], fakes: object) -> N
         out = graph.call_function(_op(value), args, kwargs)
         out.meta["val"] = fresh_fake(value.meta["val"], fakes)
     out.meta["stack_trace"] = value.meta.get("stack_trace")
+    out.meta[_GENERATION] = value.meta.get(_GENERATION, 0) + 1
     return out
 
 
