@@ -51,15 +51,18 @@ def test_demo_shares_the_pool_and_learns(
     assert "[3/3]" in out and "chunks per step" in out
 
 
-def test_a_batch_whose_gradients_no_budget_can_chunk_skips_the_third_part_and_succeeds(
+def test_a_batch_whose_gradients_are_most_of_its_step_ends_well(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # At --train-batch 64 the third part's MLP step is mostly gradients, which chunks cannot
-    # shrink: no budget below the step's need can be met. The demo says so and ends well
-    # (it ended in an OutOfMemoryError from the budget's planning).
+    # shrink: half its need cannot be met, and 7/8 only by recomputation. The demo runs the
+    # least share that a plan meets, or says that none does, and ends well (it ended in an
+    # OutOfMemoryError from the budget's planning, and then from asking for the chunks of a
+    # call that adds into the gradients the loop had just made).
     assert main(["demo", "--train-batch", "64", "--steps", "1"]) == 0
     out = capsys.readouterr()
-    assert "skipped: at batch 512 no budget below" in out.out, out.out
+    ran = "7/8 of that (half cannot be met" in out.out and "chunks per step" in out.out
+    assert ran or "skipped: at batch 512 no budget below" in out.out, out.out
     assert "Traceback" not in out.err and "sharedmem: demo failed" not in out.err
 
 

@@ -88,6 +88,7 @@ def run_fit_demo(
             optimizers[name].step()
         most = max(most, pool.stats()["device_reserved_bytes"])
         progress(index + 1)
+    chunked.zero_grad(set_to_none=True)  # the chunks of a call as the loop makes it
     chunks = fitted.chunks_for(x, y)
     say(
         f"  {chunks} chunks per step (the pool held at most {human_bytes(most)}); train loss "
