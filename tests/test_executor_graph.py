@@ -212,7 +212,7 @@ def test_the_floor_is_the_steps_whatever_each_plan_computes_again() -> None:
 
     torch.manual_seed(0)
     model, x = _Residual(width=64, blocks=4), torch.randn(32, 10, 64)
-    floors, recomputed = set(), []
+    floors, summaries, recomputed = set(), set(), []
     for policy in (sm.Recompute.OFF, sm.Recompute.within(1.35), sm.Recompute.MOST):
         model.zero_grad(set_to_none=True)  # each step as traced the same: gradients made
         pool = sm.BufferPool("cpu")
@@ -229,8 +229,9 @@ def test_the_floor_is_the_steps_whatever_each_plan_computes_again() -> None:
         measured = allocator_peak(call) + pool.stats()["reserved_bytes"]
         assert 0 < floor <= measured, (policy, floor, measured)
         floors.add(floor)
+        summaries.add(step.plan_summary().floor)  # (its kernels measured as a call's are)
         recomputed.append(step.plan_summary().recomputed)
-    assert len(floors) == 1, floors
+    assert len(floors) == 1 and len(summaries) == 1, (floors, summaries)
     assert recomputed[0] < recomputed[2], recomputed  # plans that differ
 
 

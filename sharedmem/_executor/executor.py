@@ -559,7 +559,7 @@ class Executor:
         of ``traced``: the step's, which no plan goes below. A plan's own graph also runs its
         recomputations, some in the backward beside the backward's values, and its floor is
         higher by that much (ViT-tiny's least memory: a GELU computed again, 51.1 MB against
-        the step's 42.9 MB)."""
+        the step's 40.5 MB), or lower where a value now dies at an op that can write over it."""
         if planned is traced:
             return analysis
         key = f"sharedmem_step_floor_{measure}"

@@ -314,7 +314,8 @@ def _op_needs(
     Nothing else is alive at the op in every plan. A value made before it and read after it
     can be computed again for its later readers, the backward's too: GPT-2's decomposed GELU
     backward computes two of its products again where they are read, from values alive
-    there, rather than keep them across the products between (8.4 MB of its 33.6 MB)."""
+    there, rather than keep them across the products between: counted as alive, they made
+    a floor of 33.6 MB on its graph as traced, above the 32.9 MB its least memory measured."""
     made: set[StorageWeakRef] = set()  # storages that outlive the call, made so far
     made_bytes = 0
     needs = []
