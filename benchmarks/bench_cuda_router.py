@@ -17,6 +17,11 @@ step's figures are reported. Deterministic algorithms are asked for in both proc
 
     python benchmarks/bench_cuda_router.py                  # every zoo model this GPU builds
     python benchmarks/bench_cuda_router.py tv_resnet18 hf_gpt2 --steps 4 --json out.json
+    python benchmarks/bench_cuda_router.py --recompute most tv_resnet18   # giving time too
+
+``--recompute most`` (``sm.Recompute.MOST``) or a slowdown such as ``1.35``
+(``sm.Recompute.within(1.35)``) gives the pooled step time for memory: the values computed again
+on the GPU's kernels, still bit for bit against the eager twin.
 """
 
 from __future__ import annotations
@@ -51,8 +56,30 @@ def _to(value: Any, device: str) -> Any:
     return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
 
 
-def _child(name: str, mode: str, steps: int) -> dict[str, Any]:
-    """One model in this process: ``mode`` is "eager" or "routed"."""
+def _policy(spelled: str | None) -> Any:
+    """``--recompute``'s value as an ``sm.Recompute`` ("most", or a slowdown above 1), or
+    ``None`` (the default's); a ``ValueError`` naming the choices for anything else."""
+    import sharedmem as sm
+
+    if spelled is None:
+        return None
+    if spelled == "most":
+        return sm.Recompute.MOST
+    try:
+        slowdown = float(spelled)
+    except ValueError:
+        slowdown = 0.0
+    if not slowdown > 1.0:
+        raise ValueError(
+            f"bench_cuda_router: --recompute takes 'most' or a slowdown above 1 (1.35), "
+            f"not {spelled!r}"
+        )
+    return sm.Recompute.within(slowdown)
+
+
+def _child(name: str, mode: str, steps: int, recompute: str | None = None) -> dict[str, Any]:
+    """One model in this process: ``mode`` is "eager" or "routed" (``recompute``: what the
+    pooled step may compute again, as ``--recompute`` spells it)."""
     import sharedmem as sm
 
     if mode == "routed" and not sm.install_cuda_router():
@@ -97,7 +124,11 @@ def _child(name: str, mode: str, steps: int) -> dict[str, Any]:
     twin_sgd = torch.optim.SGD(twin.parameters(), lr=1e-3)
     control_sgd = torch.optim.SGD(control.parameters(), lr=1e-3)
     pool = sm.BufferPool("cuda")
-    step = sm.pooled_train_step(model, loss_fn, pool=pool)
+    policy = _policy(recompute)
+    if policy is None:
+        step = sm.pooled_train_step(model, loss_fn, pool=pool)
+    else:
+        step = sm.pooled_train_step(model, loss_fn, pool=pool, recompute=policy)
     exact = repeatable = True
     for index in range(steps):
         torch.manual_seed(100 + index)  # the same dropout masks for all three
@@ -125,6 +156,8 @@ def _child(name: str, mode: str, steps: int) -> dict[str, Any]:
     last = step.last_call
     stats = pool.stats()
     out.update(
+        recompute=None if policy is None else policy.describe(),
+        recomputed=step.plan_summary().recomputed,
         pooled_peak=last.measured_peak if last else None,
         planned_peak=last.planned_peak if last else None,
         measured=last.measured if last else None,
@@ -136,10 +169,11 @@ def _child(name: str, mode: str, steps: int) -> dict[str, Any]:
     return out
 
 
-def _run_child(name: str, mode: str, steps: int) -> dict[str, Any]:
+def _run_child(name: str, mode: str, steps: int, recompute: str | None) -> dict[str, Any]:
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1")
+    giving = ["--recompute", recompute] if recompute is not None else []
     done = subprocess.run(
-        [sys.executable, __file__, "--child", mode, "--steps", str(steps), name],
+        [sys.executable, __file__, "--child", mode, "--steps", str(steps), *giving, name],
         capture_output=True,
         text=True,
         env=env,
@@ -167,9 +201,15 @@ def main(args: list[str]) -> int:
     steps = int(_option(args, "--steps", "4") or 4)
     out = _option(args, "--json", None)
     child = _option(args, "--child", None)
+    recompute = _option(args, "--recompute", None)
+    try:
+        _policy(recompute)
+    except ValueError as error:
+        print(error)
+        return 2
     if child:
         try:
-            print(json.dumps(_child(args[0], child, steps)), flush=True)
+            print(json.dumps(_child(args[0], child, steps, recompute)), flush=True)
         except Exception as error:  # reported by the parent, with the model's name
             import traceback
 
@@ -183,7 +223,7 @@ def main(args: list[str]) -> int:
     # Every child at once: each process has its own allocator, so the figures do not mix.
     with ThreadPoolExecutor(max_workers=8) as workers:
         futures = {
-            (name, mode): workers.submit(_run_child, name, mode, steps)
+            (name, mode): workers.submit(_run_child, name, mode, steps, recompute)
             for name in names
             for mode in ("eager", "routed")
         }

@@ -403,6 +403,21 @@ def test_the_benchmark_skips_without_a_gpu(tmp_path: Path) -> None:
     assert written["rows"] == [] and written["meta"]["skipped"] == "no CUDA GPU"
 
 
+def test_the_router_benchmark_takes_most_or_a_slowdown_to_recompute() -> None:
+    # ``./dev gpu-check`` runs it with ``--recompute most``; a wrong spelling is refused with
+    # the choices before any GPU is asked for.
+    script = str(ROOT / "benchmarks" / "bench_cuda_router.py")
+    for wrong in ("fast", "0.5"):
+        done = subprocess.run(
+            [sys.executable, script, "--recompute", wrong, "tv_resnet18"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 2, done.stderr
+        assert "--recompute takes 'most' or a slowdown above 1" in done.stdout, done.stdout
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU path of tests/gpu_answers.py")
 def test_the_gpu_answers_script_says_it_needs_a_gpu() -> None:
     done = subprocess.run(
