@@ -106,7 +106,7 @@ class Analysis:
             outlives the call).
         floor: the most bytes one op needs live at once: its operands, results and measured
             scratch beside what outlives the call (gradients) made before it
-            (``_op_needs``), a pointwise result counted once with an operand it can be
+            (``_floor``), a pointwise result counted once with an operand it can be
             written over. No placement and no recomputation that runs these ops in this
             order goes below it: the executor gives the floor of the step as traced, before
             anything is computed again (``plan_summary().floor``).
@@ -276,8 +276,7 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     returned_lives = {owner[k] for k in kept if k in owner}
     could = _inplace(steps, storages, owner, ends, may_die=set(range(len(starts))) - returned_lives)
     over_bytes = {starts[result][1]: starts[result][0] for result, _, _ in could}
-    needs = _op_needs(nodes, storages, sizes, kept, measured_scratch, over_bytes)
-    floor, floor_at = max(needs, key=lambda need: need[0], default=(0, None))
+    floor, floor_at = _floor(nodes, storages, sizes, kept, measured_scratch, over_bytes)
     return Analysis(
         steps,
         lifetimes,
@@ -297,19 +296,19 @@ def analyse(gm: GraphModule, device: torch.device, *, measure: bool = True) -> A
     )
 
 
-def _op_needs(
+def _floor(
     nodes: list[Node],
     storages: dict[Node, set[StorageWeakRef]],
     sizes: dict[StorageWeakRef, int],
     kept: set[StorageWeakRef],
     scratch: dict[int, int],
     over_bytes: dict[int, int],
-) -> list[tuple[int, Node]]:
-    """Per op, in graph order, the bytes it needs live, and the op (the most of them is
-    ``Analysis.floor``): its operands, results and measured scratch, beside what outlives the
-    call made before it (the gradients), less a result it can write over an operand
-    (``over_bytes``, by position). Storages that were there before the call (parameters,
-    inputs) have no size here: they are not the step's own bytes.
+) -> tuple[int, Node | None]:
+    """The most bytes one op needs live, and the op (``Analysis.floor``): its operands,
+    results and measured scratch, beside what outlives the call made before it (the
+    gradients), less a result it can write over an operand (``over_bytes``, by position).
+    Storages that were there before the call (parameters, inputs) have no size here: they
+    are not the step's own bytes.
 
     Nothing else is alive at the op in every plan. A value made before it and read after it
     can be computed again for its later readers, the backward's too: GPT-2's decomposed GELU
@@ -317,19 +316,20 @@ def _op_needs(
     there, rather than keep them across the products between: counted as alive, they made
     a floor of 33.6 MB on its graph as traced, above the 32.9 MB its least memory measured."""
     made: set[StorageWeakRef] = set()  # storages that outlive the call, made so far
-    made_bytes = 0
-    needs = []
+    made_bytes = best = 0
+    at = None
     for i, node in enumerate(nodes):
         if node.op != "call_function":
             continue
         used = set(storages[node]).union(*(storages[u] for u in node.all_input_nodes))
         need = made_bytes + sum(sizes.get(k, 0) for k in used - made) + scratch.get(i, 0)
         need -= over_bytes.get(i, 0)
-        needs.append((need, node))
+        if need > best:
+            best, at = need, node
         for key in storages[node] & kept - made:
             made.add(key)
             made_bytes += sizes.get(key, 0)
-    return needs
+    return best, at
 
 
 def measured_scratch(node: Node) -> int:
