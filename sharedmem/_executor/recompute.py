@@ -269,11 +269,14 @@ def _in_graph_order(search: _Search) -> None:
 def _cheapest_first(search: _Search, allowance: float) -> None:
     """Recompute, one at a time, the qualifying value (heavy ones included) whose chain costs
     the least modelled time per byte it frees, while the total stays within ``allowance``."""
+    values: dict[Node, Node | None] = {}
     while not search.done:
         index = search.index
         best: tuple[float, float, _Candidate] | None = None
         for node in search.graph.nodes:
-            value = _value(node, heavy=True)
+            if node not in values:  # (a node's target and kind of arguments never change)
+                values[node] = _value(node, heavy=True)
+            value = values[node]
             if value is None or value not in search.index.position:
                 continue
             if value.meta.get(_GENERATION, 0) >= MAX_GENERATIONS:
@@ -637,7 +640,7 @@ def _candidate(
     layer norm and long after by its own backward, right after the busiest node); ``None``
     where it cannot be (see the module's rules)."""
     key = index.key.get(value)
-    if key is None or not _only_views(index, value, writers=True):
+    if key is None or key in index.inputs:
         return None
     readers = index.readers(key)
     if not readers or any(r.op == "output" for r in readers):
@@ -653,6 +656,8 @@ def _candidate(
     if not split or not points[split - 1] < index.busiest < at:
         return None
     if at - points[split - 1] < (HEAVY_MIN_GAP if heavy else MIN_GAP):
+        return None
+    if not _only_views(index, value, writers=True):  # (the costliest test, asked last)
         return None
     late = [r for r in readers if index.position[r] >= at]
     if any(_writes(r) for r in late) or not _writes_replayable(index, value, at):
@@ -781,10 +786,13 @@ def _emit_write(graph: Graph, writer: Node, made: dict[Node, Node], fakes: objec
 
 
 def _writes(node: Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(
-        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-    )
+    """Whether ``node`` writes one of its arguments in place."""
+    return isinstance(node.target, OpOverload) and _mutates(node.target)
+
+
+@functools.cache
+def _mutates(target: OpOverload) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
 
 
 def _chain(
