@@ -572,7 +572,8 @@ def test_a_value_whose_readers_are_all_computed_again_for_is_not_run() -> None:
     assert count > 0
     assert _unread(planned.graph) <= _unread(traced.graph)
     _assert_steps_as_eager(eager, step, x, y, seeds=1)
-    # And with dropout, whose noise is drawn again: the draws stay, read or not.
+    # Nor in the dropout blocks, where noise is drawn again (that every draw stays, the
+    # generator ending where eager's does, is the dropout test's).
     _, _, _, _, traced_graph, graph = _heavy_blocks(causal=True)
     assert _unread(graph) <= _unread(traced_graph)
 
