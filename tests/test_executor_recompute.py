@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import sharedmem as sm
+from sharedmem._executor.codegen import mutates
 from sharedmem._executor.cost import FLOPS_PER_BYTE, RANDOM_FLOPS_PER_ELEMENT, graph_cost, op_cost
 from sharedmem._executor.recompute import recompute
 from sharedmem.testing import allocator_peak
@@ -541,18 +542,15 @@ class TanhGeluMLP(nn.Module):
 def _unread(graph: torch.fx.Graph) -> set[str]:
     """The ops whose results nothing reads and whose running changes nothing else: no
     in-place write, no draw from a generator."""
-    found = set()
-    for n in graph.nodes:
-        if n.op != "call_function" or n.users:
-            continue
-        if isinstance(n.target, torch._ops.OpOverload):
-            arguments = n.target._schema.arguments
-            if any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
-                continue
-            if torch.Tag.nondeterministic_seeded in n.target.tags:
-                continue
-        found.add(n.name)
-    return found
+    seeded = torch.Tag.nondeterministic_seeded
+    return {
+        n.name
+        for n in graph.nodes
+        if n.op == "call_function"
+        and not n.users
+        and not mutates(n)
+        and seeded not in getattr(n.target, "tags", ())
+    }
 
 
 def test_a_value_whose_readers_are_all_computed_again_for_is_not_run() -> None:

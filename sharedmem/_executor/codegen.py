@@ -18,6 +18,7 @@ its extent and the slots' sizes are fixed by the signature, so this costs a few 
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -269,12 +270,16 @@ def _expression(
 
 
 def mutates(node: Node) -> bool:
-    # An in-place op on a detached tensor (t_() changes its metadata) must not reach the
-    # tensor it was detached from, so such a detach runs for real.
+    """Whether ``node`` writes one of its arguments in place. (An in-place op on a detached
+    tensor, ``t_()`` changing its metadata, must not reach the tensor it was detached from,
+    so such a detach runs for real.)"""
     target = node.target
-    return isinstance(target, OpOverload) and any(
-        a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments
-    )
+    return isinstance(target, OpOverload) and _mutating(target)
+
+
+@functools.cache  # (asked for every node at every step of the recomputation search)
+def _mutating(target: OpOverload) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
 
 
 def _zero_size(em: _Emitter, node: Node, k: int, device: torch.device) -> str:

@@ -43,6 +43,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import Argument
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .codegen import mutates
 from .cost import graph_cost, op_cost
 from .graph import fake_mode, fresh_fake, storage_key, value_layout
 from .ops import EMPTY_FACTORIES
@@ -442,7 +443,7 @@ class _Index:
         target = node.target
         if node.op != "call_function" or not isinstance(target, OpOverload):
             return 0
-        if torch.Tag.pointwise not in target.tags or _writes(node):
+        if torch.Tag.pointwise not in target.tags or mutates(node):
             return 0
         val, key = node.meta.get("val"), self.key.get(node)
         if not isinstance(val, torch.Tensor) or key is None or self.members[key][0] is not node:
@@ -564,7 +565,7 @@ def _only_views(index: _Index, value: Node, *, writers: bool = False) -> bool:
             continue
         if not isinstance(target, OpOverload):
             return False
-        if _writes(member):
+        if mutates(member):
             replayed = _inplace_pointwise(member) or replayable(member)
             if not (writers and replayed and member.args[0] in members):
                 return False
@@ -586,7 +587,7 @@ def _split_of(node: object, members: set[Node]) -> bool:
 def _splits(node: object) -> bool:
     """Whether ``node`` splits its first argument into views (``split``, ``unbind``): a list
     of aliases, with no other tensor input."""
-    if not isinstance(node, Node) or not isinstance(node.target, OpOverload) or _writes(node):
+    if not isinstance(node, Node) or not isinstance(node.target, OpOverload) or mutates(node):
         return False
     returns = node.target._schema.returns
     return (
@@ -618,7 +619,7 @@ def _inplace_pointwise(node: Node) -> bool:
 def _writers(index: _Index, value: Node) -> list[Node]:
     """The in-place ops on ``value``'s storage, in graph order."""
     members = index.members[index.key[value]]
-    return sorted((m for m in members if _writes(m)), key=index.position.__getitem__)
+    return sorted((m for m in members if mutates(m)), key=index.position.__getitem__)
 
 
 class _Candidate(NamedTuple):
@@ -660,7 +661,7 @@ def _candidate(
     if not _only_views(index, value, writers=True):  # (the costliest test, asked last)
         return None
     late = [r for r in readers if index.position[r] >= at]
-    if any(_writes(r) for r in late) or not _writes_replayable(index, value, at):
+    if any(mutates(r) for r in late) or not _writes_replayable(index, value, at):
         return None
     chain = _chain(index, value, at, 0, heavy)
     if chain is None:
@@ -717,7 +718,7 @@ def _erase_unread(graph: Graph, node: Node, erased: set[Node]) -> None:
     write, no draw from a generator), and then each of its inputs left so. A value whose
     readers were all late is one such (a copy of a copy: ConvNeXt-T's least memory ran five
     matrix products of up to 25 MB for nothing)."""
-    if node in erased or node.op != "call_function" or node.users or _writes(node):
+    if node in erased or node.op != "call_function" or node.users or mutates(node):
         return
     target = node.target
     if target is not operator.getitem and (
@@ -785,16 +786,6 @@ def _emit_write(graph: Graph, writer: Node, made: dict[Node, Node], fakes: objec
     return again
 
 
-def _writes(node: Node) -> bool:
-    """Whether ``node`` writes one of its arguments in place."""
-    return isinstance(node.target, OpOverload) and _mutates(node.target)
-
-
-@functools.cache
-def _mutates(target: OpOverload) -> bool:
-    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
-
-
 def _chain(
     index: _Index, value: Node, at: int, depth: int, heavy: bool = False
 ) -> list[Node] | None:
@@ -843,7 +834,7 @@ def _small_beside(arg: Node, value: Node) -> bool:
 
 def _written_root(node: Node) -> Node:
     """The value an in-place op's result is (``node`` itself if it writes nothing)."""
-    while _writes(node) and node.args and isinstance(node.args[0], Node):
+    while mutates(node) and node.args and isinstance(node.args[0], Node):
         node = node.args[0]
     return node
 
@@ -865,7 +856,7 @@ def _view_root(node: Node) -> Node:
             node = node.args[0]  # type: ignore[assignment]
         elif (
             isinstance(node.target, OpOverload)
-            and not _writes(node)
+            and not mutates(node)
             and _is_view(node.target)
             and node.args
             and isinstance(node.args[0], Node)
