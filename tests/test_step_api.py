@@ -17,7 +17,7 @@ from torch import nn
 
 import sharedmem as sm
 from sharedmem._executor import PooledForward, PooledTrainStep
-from sharedmem.testing import allocator_peak
+from sharedmem.testing import allocator_peak, memory_timeline
 
 F = nn.functional
 native = importlib.import_module("sharedmem._routing.native")  # the module, not its function
@@ -90,11 +90,26 @@ def test_the_measured_peak_is_the_allocators_and_the_plan_is_beside_it() -> None
     # measured figure of every replayed call, and the recorded call's within a few bytes
     # (what runs outside the router's scope: the loss handed back).
     x, y = batch()
-    pool = sm.BufferPool("cpu")
-    step = sm.pooled_train_step(mlp(), F.mse_loss, pool=pool)
+    # Once in many runs of the whole suite the profiler has seen no event of a call (0 against
+    # 671,776 measured); a fresh step then checks the same figures once more.
+    for attempt in range(2):
+        pool = sm.BufferPool("cpu")
+        step = sm.pooled_train_step(mlp(), F.mse_loss, pool=pool)
+        if _figures_are_the_allocators(step, pool, x, y):
+            return
+        assert attempt == 0, "the profiler missed a bracketed call twice"
+
+
+def _figures_are_the_allocators(
+    step: PooledTrainStep, pool: sm.BufferPool, x: torch.Tensor, y: torch.Tensor
+) -> bool:
+    """Check three calls' figures against the allocator's; ``False`` where the profiler
+    missed the call's bracket (nothing checked of that call)."""
     for call in range(3):
         step.model.zero_grad(set_to_none=True)
-        events = allocator_peak(functools.partial(step, x, y))
+        events = _bracketed_peak(functools.partial(step, x, y))
+        if events is None:
+            return False
         last = step.last_call
         assert last is not None
         reserved = pool.stats()["device_reserved_bytes"]
@@ -111,6 +126,35 @@ def test_the_measured_peak_is_the_allocators_and_the_plan_is_beside_it() -> None
         assert summary.measured_peak == last.measured_peak
         assert f"measured {last.measured_peak:,} bytes" in str(summary)
         assert "a sum of allocations, not a peak" in str(summary)
+    return True
+
+
+BRACKET = 3 * 4096 + 8  # bytes no allocation of the step has
+
+
+def _bracketed_peak(call: functools.partial[object]) -> int | None:
+    """``allocator_peak(call)``, read with a tensor of ``BRACKET`` bytes made before the call
+    and freed after it: ``None`` where those two are not the first and last events (the
+    profiler did not see the whole call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def bracketed() -> None:
+        bracket = torch.empty(BRACKET, dtype=torch.uint8)
+        call()
+        del bracket
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, acc_events=True
+    ) as prof:
+        bracketed()
+    timeline = memory_timeline(prof)
+    if len(timeline) < 2 or (timeline[0], timeline[-1]) != (BRACKET, -BRACKET):
+        return None
+    live = peak = 0
+    for size in timeline[1:-1]:
+        live += size
+        peak = max(peak, live)
+    return peak
 
 
 def test_a_budgeted_step_says_whether_each_call_held_its_budget_as_the_allocator_does() -> None:
