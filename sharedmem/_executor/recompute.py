@@ -342,6 +342,7 @@ class _Index:
         self._readers: dict[StorageWeakRef, list[Node]] = {}
         self._nbytes: dict[StorageWeakRef, int] = {} if before is None else before._nbytes
         self.key: dict[Node, StorageWeakRef] = {}
+        self._over: dict[Node, int] = {}  # per node, its ``_written_over`` once asked
         self.members: dict[StorageWeakRef, list[Node]] = {}
         self.inputs: set[StorageWeakRef] = set()
         touched: list[Node] = []  # nodes whose users may differ from ``before``'s
@@ -378,6 +379,15 @@ class _Index:
                     touched += [n, *inputs]
             stale = {self._key.get(n) for n in touched}
             self._readers = {k: r for k, r in before._readers.items() if k not in stale}
+            # A node's ``_written_over`` reads its storage's first member and its arguments'
+            # last readers: kept where none of those storages changed.
+            self._over = {
+                n: over
+                for n, over in before._over.items()
+                if n in self.position
+                and self._key.get(n) not in stale
+                and not any(self._key.get(a) in stale for a in self._args[n][2])
+            }
         # Where each storage is written in place (an op's mutable argument on it).
         self.written: dict[StorageWeakRef, list[int]] = {}
         for n in self.nodes:
@@ -440,6 +450,12 @@ class _Index:
         """The bytes of ``node``'s result where the executor writes it over an operand that
         dies there (a pointwise op, an operand of the result's very layout: ``analyse``'s
         ``inplace``), 0 elsewhere: at that node the two take one buffer."""
+        over = self._over.get(node)
+        if over is None:
+            over = self._over[node] = self._written_over_now(node)
+        return over
+
+    def _written_over_now(self, node: Node) -> int:
         target = node.target
         if node.op != "call_function" or not isinstance(target, OpOverload):
             return 0
