@@ -292,12 +292,19 @@ def test_accumulation_calls_grow_the_arena_to_their_peak_and_the_next_step_gives
         with pool.step("train", x, y, params=m) if pooled else contextlib.nullcontext():
             nn.functional.cross_entropy(m(x), y).backward()
 
+    # Then the gradients replaced by fresh tensors the user made before each step: the
+    # accumulation's growth held room for gradients that are gone, and is given back.
     states = ("none", "none", "present", "present", "eval", "present", "none", "none")
+    states += ("present", "present", "replaced", "replaced")
     reserved = []
     for k, state in enumerate(states):
         if state == "none":  # the default loop: gradients set to ``None`` before the step
             plain.zero_grad()
             model.zero_grad()
+        elif state == "replaced":
+            for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+                a.grad, b.grad = torch.zeros_like(a), torch.zeros_like(b)
+        state = "present" if state == "replaced" else state
         eager = allocator_peak(lambda: call(plain, False, state))  # noqa: B023
         before, held = pool.stats(), _held(pool)
         pooled = allocator_peak(lambda: call(model, True, state))  # noqa: B023
@@ -313,6 +320,8 @@ def test_accumulation_calls_grow_the_arena_to_their_peak_and_the_next_step_gives
     assert reserved[3] > reserved[1]  # grown for the accumulation state ...
     assert reserved[4] == reserved[3]  # ... kept through the evaluation ...
     assert reserved[6] == reserved[1]  # ... and given back by the default loop's next step
+    assert reserved[9] == reserved[3]  # grown again by accumulation ...
+    assert reserved[10] == reserved[11] == reserved[1]  # ... given back once it is gone
 
 
 # ---- 2: plans know the arena they share ---------------------------------------------------

@@ -63,15 +63,17 @@ class Arenas:
     def take_passing(self, arena: str, caller: int, held: int) -> int | None:
         """For a call of the route ``caller`` beginning on ``arena``, which finds ``held``
         bytes of it held: the bytes ``arena`` had before another route grew it for a passing
-        state, which the caller gives it back to. ``None``: none did, or ``caller`` did, or
-        an accumulation call did and its gradients are held still (half its held bytes or
-        more). An evaluation between accumulation calls, or an accumulation call of another
-        batch size, keeps the growth (the next accumulation call would grow the arena again,
-        page by page, in a loop that alternates); the default loop's next step (gradients
-        ``None``) gives it back."""
+        state, which the caller gives it back to. ``None``: none did, or ``caller`` did for
+        an evaluation, or an accumulation call did and its gradients are held still (half its
+        held bytes or more). An evaluation between accumulation calls, or an accumulation
+        call of another batch size, keeps the growth (the next accumulation call would grow
+        the arena again, page by page, in a loop that alternates); the default loop's next
+        step (gradients ``None``) gives it back, and so does the accumulating step's own next
+        call where its gradients are gone (replaced by tensors the user made: the growth
+        held room for nothing then)."""
         with self._lock:
             marker = self.passing.get(arena)
-            if marker is None or marker[0] == caller:
+            if marker is None or (marker[0] == caller and marker[2] is None):
                 return None
             if marker[2] is not None and 2 * held >= marker[2]:
                 return None  # most of what was held is held still (a loss may have gone)
