@@ -43,9 +43,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness  # noqa: F401  (its import quiets Kineto's per-profile log lines)
 import zoo as zoo_module
 from bench_routing import _call, _loss
+from harness import arena_held  # (its import also quiets Kineto's per-profile log lines)
 
 import sharedmem as sm
 
@@ -91,20 +91,6 @@ def _doubled(inputs: Any) -> Any:
 def grads_of(model: torch.nn.Module) -> dict[str, Any]:
     """``params=model`` where ``pool.step`` takes it (an older version runs without it)."""
     return {"params": model} if "params" in inspect.signature(sm.BufferPool.step).parameters else {}
-
-
-def _held(pool: sm.BufferPool) -> int:
-    """Arena bytes tensors hold now (kept from earlier calls): each tensor's whole 64-byte
-    units, as the planner fences them (``_aligned``: every arena address is on that grid, so
-    the rest of a held tensor's last unit is no other allocation's either)."""
-    from sharedmem._routing import native
-    from sharedmem._routing.plan import _aligned
-
-    router = native()
-    base = pool.arenas.base("act.0")
-    if router is None or base is None or not hasattr(router, "live_ranges"):
-        return 0  # no router, no arena, or a router that keeps nothing past a call
-    return sum(high - low for low, high in _aligned(router.live_ranges(base)))
 
 
 def build(name: str) -> Any:
@@ -167,7 +153,7 @@ def run(name: str, entry_point: str) -> list[dict[str, Any]]:
                 opts[which].step()
                 opts[which].zero_grad()  # PyTorch's default: set to None
             before = pool.stats()
-            held = _held(pool)
+            held = arena_held(pool)
             torch.manual_seed(1)
             run_one = (
                 (lambda w=which: evaluate(w)) if state == "eval" else (lambda w=which: train(w))
@@ -261,7 +247,7 @@ def run_optimizer(name: str, optimizer: str, steps: int = 6) -> list[dict[str, A
             )
             torch.manual_seed(1)
             train()
-            held = 0 if pool is None else _held(pool)
+            held = 0 if pool is None else arena_held(pool)
             before = {} if pool is None else pool.stats()
             peak, made = allocator_events(step)
             if pool is not None:

@@ -3,16 +3,19 @@
 The measure of DESIGN §8: the peak of the running sum of the allocator's events over one step
 (``torch.profiler`` with ``profile_memory=True``, its memory timeline in order), relative to what
 was live at the step's start, plus, for the pooled step, the pool's ``reserved_bytes``. Each
-model is measured with gradients set to ``None`` first, and again with gradients already there
-(gradient accumulation). Models (``step_models``): a ResNet-style CNN, a depthwise
+model is measured with gradients set to ``None`` first, then with the gradients the last call
+made, zeroed in place (as gradient accumulation holds them), then with gradients replaced by
+fresh tensors (``GRADS``). Models (``step_models``): a ResNet-style CNN, a depthwise
 MobileNet-style CNN, an MLP, a small transformer encoder, and GPT-2, BERT and Llama from
 ``transformers`` where it is installed, all at small sizes (CPU, float32).
 The full run (not ``--quick``) also measures ``torch.compile(model)``'s step the same way
 (tens of seconds of compiling per model on 2 CPU cores).
 
-Targets (DESIGN §7): pooled peak <= 1.0x eager on every model, median <= 0.85x, <= 1.0x with
-gradients already present; step time (gradients set to ``None`` each step, interleaved, median)
-<= 1.0x eager over the set.
+Targets (DESIGN §7): pooled peak <= 1.0x eager (and a page, as the sweep judges) on every
+model in every gradient state, median <= 0.85x (gradients ``None``); step time (gradients set
+to ``None`` each step, interleaved, median) <= 1.0x eager over the set. A pooled call's
+figure leaves out what tensors of earlier calls hold in the arena (the gradients present), as
+eager's leaves them out as live at the call's start.
 
     python benchmarks/bench_step_memory.py [--quick] [--device cpu] [--json PATH]
 """
@@ -28,11 +31,19 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Progress, Row, interleaved, row, script_main, smoke_models
+from harness import Progress, Row, arena_held, interleaved, row, script_main, smoke_models
 from step_models import CASES, Case
 
 import sharedmem as sm
 from sharedmem.testing import allocator_peak
+
+# The gradients' state before each measured call: set to ``None`` (PyTorch's default loop);
+# present, those the last call made, zeroed in place (``zero_grad(set_to_none=False)``, and
+# as gradient accumulation holds them); replaced by fresh tensors the user made
+# (``p.grad = torch.zeros_like(p)``), where the pool still holds the bytes the gradients of
+# the ``None`` state took.
+GRADS = ("none", "present", "replaced")
+PAGE = 4096  # a call's peak may be a page over eager's (DESIGN section 8, as the sweep judges)
 
 
 def _compiled_peak(case: Case, batch: int) -> int | None:
@@ -73,19 +84,22 @@ def _figures(case: Case, batch: int, device: str, rounds: int, number: int) -> d
     def set_grads(grads: str) -> None:
         for model in (eager, pooled):
             model.zero_grad(set_to_none=grads == "none")
-            if grads == "present":
+            if grads == "replaced":
                 for p in model.parameters():
                     p.grad = torch.zeros_like(p)
 
     figures: dict[str, float] = {}
-    for grads in ("none", "present"):
+    for grads in GRADS:
         set_grads(grads)
         step(x, y)  # with gradients present the step adds into them: its own graph, traced here
         eager_step()
         set_grads(grads)
         figures[f"eager {grads}"] = allocator_peak(eager_step)
-        reserved = pool.stats()["reserved_bytes"]
-        figures[f"pooled {grads}"] = allocator_peak(lambda: step(x, y)) + reserved
+        # Less what tensors of earlier calls hold in the arena (the gradients present): eager
+        # holds the same outside its measure, as live at the call's start.
+        held = arena_held(pool)
+        peak = allocator_peak(lambda: step(x, y))
+        figures[f"pooled {grads}"] = peak + pool.stats()["reserved_bytes"] - held
 
     def timed(run: Callable[[], object], model: nn.Module) -> Callable[[], None]:
         def one() -> None:
@@ -116,7 +130,7 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
         if progress is not None:
             progress.say(f"step memory: {case[0]} at batch {batch}")
         figures = _figures(case, batch, device, rounds=5 if quick else 15, number=2 if quick else 3)
-        for grads in ("none", "present"):
+        for grads in GRADS:
             eager, pooled = figures[f"eager {grads}"], figures[f"pooled {grads}"]
             ratio = pooled / eager
             if grads == "none":
@@ -127,8 +141,8 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
                     pooled,
                     "B",
                     baseline=eager,
-                    target="<= 1.0x eager",
-                    ok=ratio <= 1.0,
+                    target="<= 1.0x eager + a page",
+                    ok=pooled <= eager + PAGE,
                 )
             )
         if compile_too:

@@ -194,6 +194,20 @@ class _ProgressStream(io.StringIO):
         return len(text)
 
 
+def arena_held(pool: sm.BufferPool) -> int:
+    """Arena bytes tensors hold now (kept from earlier calls): each tensor's whole 64-byte
+    units, as the planner fences them (``_aligned``: every arena address is on that grid, so
+    the rest of a held tensor's last unit is no other allocation's either)."""
+    from sharedmem._routing import native
+    from sharedmem._routing.plan import _aligned
+
+    router = native()
+    base = pool.arenas.base("act.0")
+    if router is None or base is None or not hasattr(router, "live_ranges"):
+        return 0  # no router, no arena, or a router that keeps nothing past a call
+    return sum(high - low for low, high in _aligned(router.live_ranges(base)))
+
+
 def smoke_models(names: tuple[str, ...], smallest: str) -> tuple[str, ...]:
     """``names``, or only ``smallest`` of them in the test suite's smoke run (``SMOKE``)."""
     assert smallest in names, (smallest, names)

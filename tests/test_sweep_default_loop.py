@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import bench_default_loop
+import harness
 import sweep_default_loop as sweep
 import torch
 from torch import nn
@@ -75,6 +75,6 @@ def test_held_gradients_count_the_whole_arena_units_they_fence() -> None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         inside = [g.nbytes for g in grads if base is not None and base <= g.data_ptr() < base + top]
         units = sum(-(-n // ALIGN) * ALIGN for n in inside)
-        assert bench_default_loop._held(pool) == units, (inside, units)
+        assert harness.arena_held(pool) == units, (inside, units)
         seen += inside
     assert seen and any(n % ALIGN for n in seen)  # the gradients were in the arena, padded
