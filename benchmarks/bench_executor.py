@@ -140,7 +140,8 @@ def step_times(name: str, device: str, batch: int, quick: bool, progress: Progre
 
 
 def memory(name: str, device: str, batch: int, progress: Progress) -> list[Row]:
-    """Eval sharing, steady state and the liveness saving, in pool bytes."""
+    """Eval sharing and steady state, in pool bytes; the liveness saving, as a steady step's
+    peak beyond its gradients."""
     make, loss_fn, data = _case(name, device)
     rows = []
     beyond_grads: dict[str, int] = {}

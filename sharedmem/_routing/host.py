@@ -62,15 +62,15 @@ class Arenas:
 
     def take_passing(self, arena: str, caller: int, held: int) -> int | None:
         """For a call of the route ``caller`` beginning on ``arena``, which finds ``held``
-        bytes of it held: the bytes ``arena`` had before another route grew it for a passing
-        state, which the caller gives it back to. ``None``: none did, or ``caller`` did for
-        an evaluation, or an accumulation call did and its gradients are held still (half its
-        held bytes or more). An evaluation between accumulation calls, or an accumulation
-        call of another batch size, keeps the growth (the next accumulation call would grow
-        the arena again, page by page, in a loop that alternates); the default loop's next
-        step (gradients ``None``) gives it back, and so does the accumulating step's own next
-        call where its gradients are gone (replaced by tensors the user made: the growth
-        held room for nothing then)."""
+        bytes of it held: the bytes ``arena`` had before a route (another, or the caller in
+        an accumulation call) grew it for a passing state, which the caller gives it back
+        to. ``None``: none did, or ``caller`` did for an evaluation, or an accumulation call
+        did and its gradients are held still (half its held bytes or more). An evaluation
+        between accumulation calls, or an accumulation call of another batch size, keeps the
+        growth (the next accumulation call would grow the arena again, page by page, in a
+        loop that alternates); the default loop's next step (gradients ``None``) gives it
+        back, and so does the accumulating step's own next call where its gradients are gone
+        (replaced by tensors the user made: the growth held room for nothing then)."""
         with self._lock:
             marker = self.passing.get(arena)
             if marker is None or (marker[0] == caller and marker[2] is None):
