@@ -139,6 +139,20 @@ def step_times(name: str, device: str, batch: int, quick: bool, progress: Progre
     ]
 
 
+def _allocator_peak(call: Callable[[], object], device: str) -> int:
+    """PyTorch's allocator's peak over ``call()``, relative to its start: its events
+    (DESIGN section 8) on the CPU, its caching allocator's peak on CUDA (as
+    ``bench_cuda_router`` measures eager)."""
+    if not device.startswith("cuda"):
+        return allocator_peak(call)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def memory(name: str, device: str, batch: int, progress: Progress) -> list[Row]:
     """Eval sharing and steady state, in pool bytes; the liveness saving, as a steady step's
     peak beyond its gradients."""
@@ -158,7 +172,7 @@ def memory(name: str, device: str, batch: int, progress: Progress) -> list[Row]:
         # do not compare: ``per_node``'s slot plan leaves what ``liveness``'s router serves
         # beside the arena.)
         model.zero_grad(set_to_none=True)
-        peak = allocator_peak(functools.partial(step, *data(batch)))
+        peak = _allocator_peak(functools.partial(step, *data(batch)), device)
         peak += pool.stats()["reserved_bytes"]
         grads = sum(p.numel() * p.element_size() for p in model.parameters())
         beyond_grads[plan] = peak - grads
