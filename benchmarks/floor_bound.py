@@ -194,14 +194,23 @@ def _made_before(gm: GraphModule) -> list[int]:
 
 
 def run(quick: bool = False, device: str = "cpu", progress: Progress | None = None) -> list[Row]:
+    """Per configuration (GPT-2, and with dropout unless ``quick``): each GELU's bound and
+    the step's, against the step's floor."""
+    progress = progress or Progress.quiet()
+    rows: list[Row] = []
+    for name in ("gpt2",) if quick else ("gpt2", "gpt2_dropout"):
+        rows += _bounds(name, progress)
+    return rows
+
+
+def _bounds(name: str, progress: Progress) -> list[Row]:
     import bench_pareto
 
-    progress = progress or Progress.quiet()
     try:
-        model, x, y, loss_fn = bench_pareto.MODELS["gpt2"]()
+        model, x, y, loss_fn = bench_pareto.MODELS[name]()
     except ImportError as e:
-        return [row("GPT-2's GELU bound", 0, "", target=f"transformers missing: {e}", ok=None)]
-    progress.say("floor bound: tracing GPT-2 ...")
+        return [row(f"{name}: the GELUs' bound", 0, "", target=f"not built: {e}", ok=None)]
+    progress.say(f"floor bound: tracing {name} ...")
     step = sm.pooled_train_step(
         model, loss_fn, pool=sm.BufferPool("cpu"), recompute=sm.Recompute.MOST
     )
@@ -215,20 +224,15 @@ def run(quick: bool = False, device: str = "cpu", progress: Progress | None = No
     made = _made_before(gm)
     rows, bound = [], 0
     for seed, region, start in regions(gm, seeds):
-        progress.say(f"floor bound: the region around {seed.name} ({len(region.reads)} ops) ...")
+        ops = len(region.reads)
+        progress.say(f"floor bound: {name}, the region around {seed.name} ({ops} ops) ...")
         least = fewest_alive(region, made[start])
         bound = max(bound, least)
-        rows.append(
-            row(
-                f"GPT-2 least peak of the tanh GELU around {seed.name} ({len(region.reads)} ops)",
-                least,
-                "B",
-                baseline=floor,
-            )
-        )
+        label = f"{name}: least peak of the tanh GELU around {seed.name} ({ops} ops)"
+        rows.append(row(label, least, "B", baseline=floor))
     rows.append(
         row(
-            "GPT-2: no plan below (the GELUs' bound, against the step's floor)",
+            f"{name}: no plan below (the GELUs' bound, against the step's floor)",
             bound,
             "B",
             baseline=floor,
