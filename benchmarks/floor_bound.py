@@ -16,7 +16,9 @@ made before the region's first backward op, as the floor counts them; nothing el
 (the gradient that flows past the block, the values kept for other blocks), so no plan that
 runs the traced ops goes below it.
 
-    python benchmarks/floor_bound.py [--json PATH]
+Regions with an in-place write are refused: the search takes each op to make a new value.
+
+    python benchmarks/floor_bound.py [--quick] [--json PATH]   # --quick: GPT-2 without dropout
 """
 
 from __future__ import annotations
@@ -34,20 +36,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Progress, Row, row, script_main
 
 import sharedmem as sm
+from sharedmem._executor.codegen import mutates
 from sharedmem._executor.graph import graph_outputs, storage_key
 
 __all__ = ["Region", "fewest_alive", "regions", "run"]
 
 
 class Region(NamedTuple):
-    """Ops of one size: per op, the region's values it reads (by op), whether it is
-    pointwise; the ops whose values are read outside the region; each op's bytes."""
+    """Ops of one size: per op, the region's values it reads (by op) and whether it is
+    pointwise; the ops whose values are read outside the region; the bytes of each value;
+    the ops that run in the backward."""
 
     reads: dict[str, tuple[str, ...]]
     pointwise: dict[str, bool]
     handed_on: frozenset[str]
     nbytes: int
-    backward: frozenset[str]  # ops that run once the backward has begun
+    backward: frozenset[str]
 
 
 def fewest_alive(region: Region, after_backward: int = 0) -> int:
@@ -161,6 +165,8 @@ def _readers(n: Node) -> list[Node]:
         u = todo.pop()
         val = u.meta.get("val")
         if isinstance(val, torch.Tensor) and _nbytes(u) == _nbytes(n) and _aliases(u, n):
+            if mutates(u):
+                raise ValueError(f"sharedmem: {u.name} writes {n.name} in place: not bounded here")
             todo += list(u.users)  # a view of it: its readers read it
         else:
             found.append(u)

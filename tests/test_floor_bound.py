@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -93,3 +94,24 @@ def test_the_region_of_a_traced_tanh_gelu_bounds_what_its_least_memory_plan_meas
         step(x, y)
     last = step.last_call
     assert last is not None and max(bounds) <= last.measured_peak, (bounds, last)
+
+
+class InPlaceGeluBlock(TanhGeluBlock):
+    """The same GELU with its tanh's argument scaled in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        inner = 0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0))
+        inner.mul_(1.0)
+        return x + self.proj(0.5 * h * (1.0 + torch.tanh(inner)))
+
+
+def test_a_region_with_an_in_place_write_is_refused_not_bounded() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(InPlaceGeluBlock(), nn.Flatten(), nn.Linear(64 * 32, 10))
+    step = sm.pooled_train_step(model, F.cross_entropy, pool=sm.BufferPool("cpu"))
+    step.memory_plan(torch.randn(8, 64, 32), torch.randint(0, 10, (8,)))
+    (traced,) = step._traced.values()
+    seeds = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.tanh_backward.default]
+    with pytest.raises(ValueError, match="in place: not bounded here"):
+        fb.regions(traced.gm, seeds)
