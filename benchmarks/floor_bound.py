@@ -107,7 +107,7 @@ def _nbytes(node: Node) -> int:
 def regions(gm: GraphModule, seeds: Sequence[Node]) -> list[tuple[Node, Region, int]]:
     """For each seed, the region of ops around it whose results are new tensors of its size
     (views followed to the op that made their storage), and the traced position of the
-    region's first op after the first gradient is made."""
+    region's first backward op: the first after the step's first returned value (its loss)."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     maker: dict[object, Node] = {}
@@ -116,7 +116,7 @@ def regions(gm: GraphModule, seeds: Sequence[Node]) -> list[tuple[Node, Region, 
         if isinstance(val, torch.Tensor):
             maker.setdefault(storage_key(val), n)
     outs = {storage_key(o.meta["val"]) for o in graph_outputs(nodes[-1]) if isinstance(o, Node)}
-    first_gradient = min(position[maker[k]] for k in outs if k in maker)
+    loss = min(position[maker[k]] for k in outs if k in maker)
 
     def made_by(n: Node) -> Node | None:
         val = n.meta.get("val")
@@ -152,7 +152,7 @@ def regions(gm: GraphModule, seeds: Sequence[Node]) -> list[tuple[Node, Region, 
             for n in ops
             if any(made_by(u) not in ops for u in _readers(n) if u.op != "output")
         )
-        backward = frozenset(n.name for n in ops if position[n] > first_gradient)
+        backward = frozenset(n.name for n in ops if position[n] > loss)
         start = min((position[n] for n in ops if n.name in backward), default=len(nodes))
         found.append((seed, Region(reads, pointwise, handed_on, size, backward), start))
     return found
@@ -183,7 +183,8 @@ def _aliases(u: Node, n: Node) -> bool:
 
 
 def _made_before(gm: GraphModule) -> list[int]:
-    """Per traced position, the bytes of the step's gradients made before it."""
+    """Per traced position, the bytes of what the step returns (its gradients) made before
+    it, as the floor counts them."""
     nodes = list(gm.graph.nodes)
     outs = {storage_key(o.meta["val"]) for o in graph_outputs(nodes[-1]) if isinstance(o, Node)}
     made: set[object] = set()
