@@ -33,6 +33,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Progress, Row, arena_held, interleaved, row, script_main, smoke_models
 from step_models import CASES, Case
+from sweep_default_loop import PAGE  # a call may be a page over eager's, as the sweep judges
 
 import sharedmem as sm
 from sharedmem.testing import allocator_peak
@@ -43,7 +44,6 @@ from sharedmem.testing import allocator_peak
 # (``p.grad = torch.zeros_like(p)``), where the pool still holds the bytes the gradients of
 # the ``None`` state took.
 GRADS = ("none", "present", "replaced")
-PAGE = 4096  # a call's peak may be a page over eager's (DESIGN section 8, as the sweep judges)
 
 
 def _compiled_peak(case: Case, batch: int) -> int | None:

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Progress, Row, row, script_main
@@ -115,8 +116,7 @@ def regions(gm: GraphModule, seeds: Sequence[Node]) -> list[tuple[Node, Region, 
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):
             maker.setdefault(storage_key(val), n)
-    outs = {storage_key(o.meta["val"]) for o in graph_outputs(nodes[-1]) if isinstance(o, Node)}
-    loss = min(position[maker[k]] for k in outs if k in maker)
+    loss = min(position[maker[k]] for k in _returned(nodes) if k in maker)
 
     def made_by(n: Node) -> Node | None:
         val = n.meta.get("val")
@@ -186,7 +186,7 @@ def _made_before(gm: GraphModule) -> list[int]:
     """Per traced position, the bytes of what the step returns (its gradients) made before
     it, as the floor counts them."""
     nodes = list(gm.graph.nodes)
-    outs = {storage_key(o.meta["val"]) for o in graph_outputs(nodes[-1]) if isinstance(o, Node)}
+    outs = _returned(nodes)
     made: set[object] = set()
     total, before = 0, []
     for n in nodes:
@@ -198,6 +198,11 @@ def _made_before(gm: GraphModule) -> list[int]:
                 made.add(key)
                 total += val.untyped_storage().nbytes()
     return before
+
+
+def _returned(nodes: list[Node]) -> set[StorageWeakRef]:
+    """The storages of what the step returns (its loss, its gradients)."""
+    return {storage_key(o.meta["val"]) for o in graph_outputs(nodes[-1]) if isinstance(o, Node)}
 
 
 def run(quick: bool = False, device: str = "cpu", progress: Progress | None = None) -> list[Row]:
