@@ -17,7 +17,7 @@ from torch import nn
 
 import sharedmem as sm
 from sharedmem._executor import PooledForward, PooledTrainStep
-from sharedmem.testing import allocator_peak, memory_timeline
+from sharedmem.testing import _peak, allocator_peak, memory_timeline
 
 F = nn.functional
 native = importlib.import_module("sharedmem._routing.native")  # the module, not its function
@@ -150,11 +150,7 @@ def _bracketed_peak(call: functools.partial[object]) -> int | None:
     timeline = memory_timeline(prof)
     if len(timeline) < 2 or (timeline[0], timeline[-1]) != (BRACKET, -BRACKET):
         return None
-    live = peak = 0
-    for size in timeline[1:-1]:
-        live += size
-        peak = max(peak, live)
-    return peak
+    return _peak(timeline[1:-1])  # allocator_peak's own reading of a timeline
 
 
 def test_a_budgeted_step_says_whether_each_call_held_its_budget_as_the_allocator_does() -> None:
