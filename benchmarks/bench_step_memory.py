@@ -41,8 +41,7 @@ from sharedmem.testing import allocator_peak
 # The gradients' state before each measured call: set to ``None`` (PyTorch's default loop);
 # present, those the last call made, zeroed in place (``zero_grad(set_to_none=False)``, and
 # as gradient accumulation holds them); replaced by fresh tensors the user made
-# (``p.grad = torch.zeros_like(p)``), where the pool still holds the bytes the gradients of
-# the ``None`` state took.
+# (``p.grad = torch.zeros_like(p)``), beside the arena that held the ``None`` state's.
 GRADS = ("none", "present", "replaced")
 
 

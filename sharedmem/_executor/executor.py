@@ -747,8 +747,11 @@ class Executor:
     def _capacities(self) -> dict[str, int]:
         return {n: self.pool.blob(n).data_memory.device_capacity for n in self.slot_names()}
 
-    def _run(self, compiled: Compiled, binding: Binding, flat: list[torch.Tensor]) -> list[Any]:
-        """Run the graph; write back what it stores on the module; return the other outputs."""
+    def _run(
+        self, compiled: Compiled, binding: Binding, flat: list[torch.Tensor], adds_into: int = 0
+    ) -> list[Any]:
+        """Run the graph; write back what it stores on the module; return the other outputs.
+        ``adds_into``: the bytes of the gradients the call adds into (``Route.scope``)."""
         self._last = compiled
         enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # as torch.no_grad(), without its per-call cost
@@ -758,7 +761,7 @@ class Executor:
         if route is not None:
             flat = route.unalias(flat, len(flat) - compiled.n_data)
         try:
-            with nullcontext() if route is None else route.scope():
+            with nullcontext() if route is None else route.scope(adds_into):
                 # A call that fails part-way leaves the module as eager's would: the running
                 # statistics of the layers that ran are updated. Copies to put them back would
                 # be alive across the whole step, above eager's peak on every batch-norm model.

@@ -417,7 +417,7 @@ class PooledTrainStep(_Step):
             if there and (g := p.grad) is not None
         ]
         flat = [*state.params, *state.buffers, *held, *x.tensors, *y.tensors]
-        loss, *grads = self._run(compiled, binding, flat)
+        loss, *grads = self._run(compiled, binding, flat, sum(g.nbytes for g in held))
         owned_grads = compiled.owned[1 : 1 + len(grads)]
         for i, (p, owned) in enumerate(zip(state.params, owned_grads, strict=True)):
             g, grads[i] = grads[i], None  # a copied gradient's original dies at once

@@ -183,7 +183,9 @@ class StepBlocks:
             noting = route.recording is None and not all(grads)  # (no params: all of none)
         if noting:
             return self._noting(key, route, tensors)
-        return route.scope()
+        # The bytes of the gradients the call adds into: where the arena does not hold
+        # them (the user replaced them), the route gives back what the call does not need.
+        return route.scope(sum(t.grad.nbytes for t in tensors if t.grad is not None))
 
     @contextmanager
     def _noting(

@@ -191,9 +191,12 @@ class Route:
         self._captured_from: int | None = None
 
     @contextmanager
-    def scope(self) -> Iterator[None]:
+    def scope(self, adds_into: int = 0) -> Iterator[None]:
         """Serve the block's allocations on this thread: recorded inside the arena on the
-        first call (and after a divergence), replayed from the arena after."""
+        first call (and after a divergence), replayed from the arena after. ``adds_into``:
+        the bytes of the gradients the call adds into (present before it); where the arena
+        holds fewer than half of them, the user's own tensors hold them beside it, and the
+        arena gives back what this call does not need first (``_give_back_idle``)."""
         router = _scopes(self._host)
         self.last_peak = None
         if router is None or router.active():  # no router, or a step inside a step
@@ -205,6 +208,8 @@ class Route:
             if lane == self._arena:
                 self._give_back_passing(router)
             fences = self._fences(router, lane)
+            if lane == self._arena and self._beside_gradients(fences, adds_into):
+                self._give_back_idle(fences)
             with self._lock:
                 planned = self._planned(lane, fences)
             place = None if planned is None else self._place(lane, planned.plan)
@@ -349,6 +354,30 @@ class Route:
             return
         top = max((int(high) for _, high in spans), default=0)
         self._host.give_back_above(self._arena, max(before, top))
+
+    def _beside_gradients(self, fences: Fences, adds_into: int) -> bool:
+        """Whether a training call that adds into ``adds_into`` bytes of gradients finds
+        fewer than half of them held in the arena (``fences``): the user replaced them with
+        tensors of its own (``p.grad = torch.zeros_like(p)``), or PyTorch made them. An
+        optimizer's block is left alone: the gradients it finds are its steady state."""
+        if not self.training or self.optimizer or adds_into <= 0:
+            return False
+        return 2 * sum(high - low for low, high in fences) < adds_into
+
+    def _give_back_idle(self, fences: Fences) -> None:
+        """A call whose gradients sit beside the arena begins: the arena's bytes above what
+        tensors hold and what this route's plan for ``fences`` needs are given back. They
+        held the gradients of another state (the default loop's first call made them in the
+        arena), and kept through this call they would add to its peak what eager's never
+        holds: the user's gradients and the room of the ones they replaced. With no plan
+        yet, the call's plan is made over the arena as the fences leave it, and grows it to
+        its own need; the other state grows it again when it next runs."""
+        with self._lock:
+            planned = self._plans.get(self._key(fences))
+            need = 0 if planned is None else planned.plan.need
+        keep = max([need, *(high for _, high in fences)])
+        if self._capacity() > round_up(keep, self._host.granularity):
+            self._host.give_back_above(self._arena, keep)
 
     def _accumulating(self, fences: Fences) -> int | None:
         """For a passing state's growth (``Arenas.mark_passing``): the bytes a training
