@@ -5,6 +5,7 @@ user changes between calls (Dynamo guards it and compiles again)."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 import sharedmem as sm
 from sharedmem._compile import compile_backend
 from sharedmem._compile.backend import Span
+from sharedmem.testing import allocator_peak
 
 Loss = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -313,6 +315,39 @@ def test_a_failed_backward_leaves_the_next_steps_served() -> None:
         # The step's span closed with its backward pass (the failed one's, with the next).
         assert getattr(backend._steps._open, "scope", None) is None or fail[0], i
     assert pool.stats()["replayed_calls"] >= 2
+
+
+def test_each_gradient_state_keeps_its_own_plan() -> None:
+    # PyTorch's default loop (gradients ``None``: the engine allocates them), then steps that
+    # add into gradients present (accumulation), then the default loop again: the two states
+    # allocate differently, so each is a route of its own. Before, one route served both: the
+    # default loop's step after accumulation left the plan made with gradients present (its
+    # new gradients served beside the arena, and flagged as escaped), above its own peak.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 4))  # fmt: skip
+    twin = copy.deepcopy(model)
+    pool = sm.BufferPool("cpu")
+    compiled = torch.compile(twin, backend=compile_backend(pool))
+    x = torch.randn(32, 64)
+    peaks = []
+    for state in ("none", "none", "present", "present", "none", "none"):
+        for m, run in ((model, model), (twin, compiled)):
+            if state == "none":
+                m.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no value of the step is said to escape
+                if m is twin and state == "none":  # nothing of the pool's held at its start
+                    before = pool.stats().get("diverged_calls", 0)
+                    peak = allocator_peak(lambda: run(x).square().mean().backward())  # noqa: B023
+                    peaks.append(peak + pool.stats()["reserved_bytes"])
+                    if len(peaks) > 1:  # the first records, every later one replays its plan
+                        assert pool.stats().get("diverged_calls", 0) == before, peaks
+                else:
+                    run(x).square().mean().backward()
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+    assert peaks[2] == peaks[3] == peaks[1], peaks  # back in its state, at its own peak
 
 
 def test_a_parameter_gradient_hook_is_called() -> None:

@@ -168,7 +168,19 @@ class StepSpans:
         state = self._open
         if getattr(state, "scope", None) is not None:
             return  # a later graph of the same step (a graph break): the span is open
-        self._enter(graph.route(("step", *_signature(args))))
+        # The parameters (Dynamo passes them in as they are): which hold a gradient is part
+        # of the route's key, as ``pool.step(..., params=)`` keys its blocks, since the
+        # autograd engine allocates new gradients in one state and adds into them in the
+        # other; and the bytes it adds into tell the route where they live (``Route.scope``).
+        held = [
+            grad
+            for a in args
+            if isinstance(a, torch.nn.Parameter) and a.requires_grad
+            for grad in (a.grad,)
+        ]
+        grads = tuple(grad is not None for grad in held)
+        adds_into = sum(grad.nbytes for grad in held if grad is not None)
+        self._enter(graph.route(("step", grads, *_signature(args))), adds_into)
 
     def open(self, args: Sequence[object]) -> None:
         """Open the step's span now, before its first graph runs (a model's own forward
@@ -193,9 +205,9 @@ class StepSpans:
         with self._lock:
             return list(self._routes.values())
 
-    def _enter(self, route: Route) -> None:
+    def _enter(self, route: Route, adds_into: int = 0) -> None:
         compiling.install()  # the blocks compiled inside the span (a reset cleared it)
-        scope = route.scope()
+        scope = route.scope(adds_into)
         scope.__enter__()
         self._open.scope = scope
 
