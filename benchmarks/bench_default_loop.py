@@ -17,7 +17,9 @@ Per call:
 
 The sequence (``state`` column): ``none`` x4, ``present`` x2 (accumulation), ``none`` x2,
 then ``none``/``present`` alternating, then ``eval`` (batch 2B, no grad) between steps, then
-one more ``none`` (the training step after an evaluation).
+one more ``none`` (the training step after an evaluation), then ``replaced`` x2 (gradients
+replaced by fresh tensors the user made, ``p.grad = torch.zeros_like(p)``, and added into)
+and the default loop's ``none`` once more.
 
     python benchmarks/bench_default_loop.py               # ResNet-18 (b8, 64px), hf_gpt2
     python benchmarks/bench_default_loop.py tv_resnet18   # only these
@@ -55,6 +57,8 @@ SEQUENCE = (
     + ["none"] * 2
     + ["none", "present"] * 3
     + ["eval"] * 2
+    + ["none"]
+    + ["replaced"] * 2
     + ["none"]
 )
 
@@ -149,9 +153,12 @@ def run(name: str, entry_point: str) -> list[dict[str, Any]]:
         figures = {}
         for which in ("eager", "pooled"):
             m = model if which == "eager" else pooled_model
-            if state == "none" and any(p.grad is not None for p in m.parameters()):
+            if state in ("none", "replaced") and any(p.grad is not None for p in m.parameters()):
                 opts[which].step()
                 opts[which].zero_grad()  # PyTorch's default: set to None
+            if state == "replaced":  # gradients the user made: fresh tensors, added into
+                for p in m.parameters():
+                    p.grad = torch.zeros_like(p) if p.requires_grad else None
             before = pool.stats()
             held = arena_held(pool)
             torch.manual_seed(1)

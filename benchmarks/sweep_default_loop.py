@@ -3,7 +3,8 @@
 For each model ``zoo.zoo()`` lists (or each one named) and both entry points, ``with
 pool.step(...)`` and ``pooled_train_step``, this runs ``bench_default_loop.run``: the sequence
 ``none`` x4, ``present`` x2 (accumulation), ``none`` x2, then ``none``/``present`` alternating,
-two evaluation calls (``eval``, batch 2B, no grad) and one more ``none`` call; an eager copy of
+two evaluation calls (``eval``, batch 2B, no grad), one more ``none`` call, ``replaced`` x2
+(fresh gradients the user made, added into) and ``none``; an eager copy of
 the model runs the same calls in the same process and state. Each model runs in a process of
 its own (its memory, and a crash or a hang, end with it: ``--timeout`` seconds per model),
 niced by 5 unless it is already.
@@ -138,7 +139,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             if c["excess"] > PAGE
         ],
     }
-    for state in ("none", "present"):
+    for state in ("none", "present", "replaced"):  # replaced: reported, not a target
         shares = [c["served"] for c in train if c["state"] == state and not c["first"]]
         summary[f"served_{state}"] = (
             {"min": min(shares), "median": statistics.median(shares), "calls": len(shares)}
@@ -182,8 +183,8 @@ def line(model: str, entry_point: str, s: dict[str, Any]) -> str:
     w = s["worst"]
     over = "; ".join(f"#{c['call']} {c['state']} +{c['excess']:,}" for c in s["over"]) or "-"
     served = []
-    for state in ("none", "present"):
-        f = s[f"served_{state}"]
+    for state in ("none", "present", "replaced"):
+        f = s.get(f"served_{state}")
         served.append("-" if f is None else f"{f['min']:.1%}/{f['median']:.1%}")
     ev = s.get("eval")
     evtext = (
@@ -195,7 +196,8 @@ def line(model: str, entry_point: str, s: dict[str, Any]) -> str:
     return (
         f"{model:26} {entry_point:17} exact {s['exact']!s:5} worst #{w['call']:<2} {w['state']:7} "
         f"{w['excess']:+,} B ({w['peak']:.4f}x) | over a page: {len(s['over'])} [{over}] | "
-        f"served none min/med {served[0]}, present {served[1]} | eval {evtext}"
+        f"served none min/med {served[0]}, present {served[1]}, replaced {served[2]} | "
+        f"eval {evtext}"
     )
 
 
