@@ -3,8 +3,10 @@
 A user's loop, as written: ``optimizer.zero_grad()`` (gradients set to ``None``), the forward
 and backward, ``optimizer.step()``; then gradient accumulation (micro-steps that add into the
 gradients) and an evaluation at twice the batch between steps. Two entry points: ``with
-pool.step("train", ...)`` around the forward and backward, and ``pooled_train_step``. An
-eager copy of the model runs the same calls in the same process and state.
+pool.step("train", ...)`` around the forward and backward, and ``pooled_train_step``; a
+third where asked for, ``compile_backend`` (the forward and loss through ``torch.compile``
+with the pool's backend; evaluations through ``pool.step()``). An eager copy of the model
+runs the same calls in the same process and state.
 
 Per call:
 - ``peak``: the call's peak, pooled / eager, by DESIGN §8: the running sum of the allocator's
@@ -125,12 +127,24 @@ def run(name: str, entry_point: str) -> list[dict[str, Any]]:
         if entry_point == "pooled_train_step"
         else None
     )
+    compiled = None
+    if entry_point == "compile_backend":  # the forward and loss compiled as one function
+        from sharedmem._compile import compile_backend
+
+        torch._dynamo.reset()
+
+        def forward_loss(inputs: Any, targets: Any) -> torch.Tensor:
+            return _loss(_call(pooled_model, inputs), targets, loss_fn)
+
+        compiled = torch.compile(forward_loss, backend=compile_backend(pool))
     eval_inputs = _doubled(inputs)
 
     def train(which: str) -> None:
         m = model if which == "eager" else pooled_model
         if which == "pooled" and step is not None:
             step(inputs, targets) if loss_fn is not None else step(inputs)
+        elif which == "pooled" and compiled is not None:
+            compiled(inputs, targets).backward()
         elif which == "pooled":
             with pool.step("train", inputs, targets, **grads_of(m)):
                 _loss(_call(m, inputs), targets, loss_fn).backward()
