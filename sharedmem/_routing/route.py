@@ -40,7 +40,10 @@ state, in whole pages; a traced evaluation's first call there is planned before 
 the same rule). Where the arena is larger than that (the training steps made it), nothing
 is given back: the pool frees nothing unless asked, and the next training call needs it
 again. One that evaluates after ``zero_grad()`` plans it once over the whole arena. A
-training step's passing state (accumulation) never grows it. When another route grows the arena
+training step's passing state (accumulation) never grows it. A training call whose
+gradients are present but not in the arena (the user's own tensors: ``scope(adds_into=)``)
+gives back what it does not need: the room the default loop's gradients took would sit
+beside the user's through the call. When another route grows the arena
 a plan is made again for the arena as it is, without growing it; the recording is never
 redone for that.
 
