@@ -120,10 +120,11 @@ def test_training_equals_eager_and_the_arena_serves(
     # Four steps: one routed call each (a step's span), or two (its forward and backward
     # graphs). Each call is recorded or replayed: the first of each route records, and a
     # replay that meets another sequence (oneDNN's convolutions allocate differently on
-    # their first call) is recorded once more.
-    calls, routes = (4, 1) if span == "step" else (8, 2)
+    # their first call) is recorded once more. A step's span is open while its graphs
+    # compile: that call is not the steady sequence, and the second records it (``compiling``).
+    calls, routes, compiled = (4, 1, 1) if span == "step" else (8, 2, 0)
     assert stats["recorded_calls"] + stats["replayed_calls"] == calls
-    assert stats["recorded_calls"] - stats.get("diverged_calls", 0) == routes
+    assert stats["recorded_calls"] - stats.get("diverged_calls", 0) == routes + compiled
     assert stats["replayed_calls"] >= calls - 2 * routes - 1
     assert stats["arena_served_bytes"] > 0
     assert "act.0" in pool.names()
@@ -135,7 +136,9 @@ def test_blocks_compiled_apart_replay_from_the_second_step() -> None:
     # backward graph at the first backward pass. What compiling allocates is set aside,
     # PyTorch's: recorded with the step, the second step left the plan made from the
     # first (served by PyTorch beside an arena reserved for the whole step), the third
-    # recorded again, and only the fourth replayed.
+    # recorded again, and only the fourth replayed. And the step that compiled is not taken
+    # as the steady sequence (a compiled region's first call makes more than compiling
+    # does: ResNet-18's, 20 scalars no later call makes): the second step records it.
     torch.manual_seed(0)
     pool = sm.BufferPool("cpu")
     model = nn.Sequential(_mlp(), nn.Tanh(), nn.Linear(4, 16), _mlp())
@@ -159,7 +162,7 @@ def test_blocks_compiled_apart_replay_from_the_second_step() -> None:
     stats = pool.stats()
     assert len(backend.graphs) == 4  # two blocks, each a forward and a backward graph
     counts = {k: stats.get(k, 0) for k in ("recorded_calls", "replayed_calls", "diverged_calls")}
-    assert counts == {"recorded_calls": 1, "replayed_calls": 3, "diverged_calls": 0}, stats
+    assert counts == {"recorded_calls": 2, "replayed_calls": 2, "diverged_calls": 0}, stats
     assert stats["arena_served_bytes"] > 0
 
 
@@ -331,7 +334,7 @@ def test_each_gradient_state_keeps_its_own_plan() -> None:
     compiled = torch.compile(twin, backend=compile_backend(pool))
     x = torch.randn(32, 64)
     peaks = []
-    for state in ("none", "none", "present", "present", "none", "none"):
+    for state in ("none", "none", "none", "present", "present", "none", "none"):
         for m, run in ((model, model), (twin, compiled)):
             if state == "none":
                 m.zero_grad(set_to_none=True)
@@ -341,13 +344,13 @@ def test_each_gradient_state_keeps_its_own_plan() -> None:
                     before = pool.stats().get("diverged_calls", 0)
                     peak = allocator_peak(lambda: run(x).square().mean().backward())  # noqa: B023
                     peaks.append(peak + pool.stats()["reserved_bytes"])
-                    if len(peaks) > 1:  # the first records, every later one replays its plan
+                    if len(peaks) > 1:  # the first two record, every later one replays
                         assert pool.stats().get("diverged_calls", 0) == before, peaks
                 else:
                     run(x).square().mean().backward()
         for a, b in zip(model.parameters(), twin.parameters(), strict=True):
             assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
-    assert peaks[2] == peaks[3] == peaks[1], peaks  # back in its state, at its own peak
+    assert peaks[3] == peaks[4] == peaks[2], peaks  # back in its state, at its own peak
 
 
 def test_a_parameter_gradient_hook_is_called() -> None:

@@ -12,8 +12,10 @@ for the whole step: twice eager's peak), the third record again, and only the fo
 Dynamo calls its compilation callbacks around each compilation (``CallbackTrigger.DYNAMO``)
 and around a deferred backward's (``LAZY_BACKWARD``), on the compiling thread, outermost only;
 a pair installed by the backend sets aside that thread's innermost open scope for the
-compilation (every allocation of it PyTorch's, as without the pool) and puts it back after,
-so the first call records the step's own sequence and the second replays its plan.
+compilation (every allocation of it PyTorch's, as without the pool) and puts it back after.
+The call that compiled is still not the step's steady sequence (a compiled region's first
+call makes more than its compilation does), so it is not planned: the second call records
+the step's own sequence, and the third replays its plan.
 ``torch._dynamo.reset()`` clears every callback: the backend installs the pair again when it
 is made, when it compiles a graph and when a step's span opens.
 """
@@ -57,6 +59,13 @@ def _start(_args: object) -> None:
     frames = optimizer._frames()
     frame = frames[-1] if frames and frames[-1].token is None else None
     router = None if frame is None else frame.router
+    if frame is not None:
+        # Not the step's steady sequence either: a compiled region's first call makes what
+        # later calls reuse outside the compilation too (ResNet-18's: 20 scalars of 8 bytes
+        # that no later call makes), and a plan of it is left by the second call at its
+        # tenth allocation, which is then served beside the arena at 1.96x eager's peak.
+        # The next call records the sequence instead (PyTorch's, or the arena's by best fit).
+        frame.suspended = True
     _tokens().append((router, None if router is None else router.suspend()))
 
 

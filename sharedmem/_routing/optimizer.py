@@ -39,8 +39,9 @@ class Frame:
     Attributes:
         router: the scope's router (``suspend()`` sets it aside, ``resume(token)`` back).
         stepped: an optimizer stepped inside the scope.
-        suspended: an optimizer step ran with the scope set aside (it made state): the
-            call's sequence is not the steady one.
+        suspended: the scope was set aside during the call (an optimizer step made its
+            state, or ``torch.compile`` compiled): the call's sequence is not the steady
+            one, and the next call records it.
     """
 
     router: Any
