@@ -328,6 +328,42 @@ def test_accumulation_calls_grow_the_arena_to_their_peak_and_the_next_step_gives
     assert reserved[12] == reserved[1]  # ... and the default loop's room made again
 
 
+def test_replaced_gradients_at_two_batch_sizes_keep_the_larger_ones_arena() -> None:
+    # The default loop's first step at each size makes the gradients in the arena; then the
+    # user's own fresh gradients before every step, the sizes alternating. Each call in that
+    # state gives back the room the default loop's gradients took, down to what the largest
+    # size in that state needs, not below: no call gives back what the next one grows again.
+    def wide() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 10))
+
+    plain, model = wide(), wide()
+    pool = sm.BufferPool("cpu")
+    batches = {b: (torch.randn(b, 256), torch.randint(0, 10, (b,))) for b in (4, 16)}
+
+    def call(m: nn.Module, pooled: bool, b: int) -> None:
+        x, y = batches[b]
+        with pool.step("train", x, y, params=m) if pooled else contextlib.nullcontext():
+            nn.functional.cross_entropy(m(x), y).backward()
+
+    reserved, grows = [], []
+    for k, b in enumerate((4, 16) * 6):
+        for a, c in zip(plain.parameters(), model.parameters(), strict=True):
+            if k < 4:  # the default loop: gradients ``None`` (each size recorded, then planned)
+                a.grad = c.grad = None
+            else:  # replaced by the user's own tensors
+                a.grad, c.grad = torch.zeros_like(a), torch.zeros_like(c)
+        call(plain, False, b)
+        call(model, True, b)
+        for a, c in zip(plain.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a.grad, c.grad), (k, b)
+        reserved.append(pool.stats()["reserved_bytes"])
+        grows.append(pool.stats()["num_grows"])
+    assert reserved[-1] < reserved[3]  # the default loop's room for its gradients given back
+    assert len(set(reserved[-4:])) == 1, reserved  # then steady, at the larger size's need
+    assert len(set(grows[-4:])) == 1, grows  # nothing given back and grown again
+
+
 # ---- 2: plans know the arena they share ---------------------------------------------------
 
 

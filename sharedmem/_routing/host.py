@@ -36,6 +36,9 @@ class Arenas:
         # bytes held then where it trains): given back when a call of another route begins
         self.passing: dict[str, tuple[int, int, int | None]] = {}
         self.planned: set[str] = set()  # arena prefixes a traced graph was planned for
+        # arena -> the most a plan of a call whose gradients sit beside it needed: such calls
+        # give the arena back down to it, not below (``beside_need``)
+        self._beside: dict[str, int] = {}
         self._bases: dict[str, int] = {}  # arena buffer -> its address when last served
         self._held: set[str] = set()  # arena buffers an open step serves from
         # per arena buffer: the ranges calls left outliving tensors in, each with the route
@@ -79,6 +82,16 @@ class Arenas:
                 return None  # most of what was held is held still (a loss may have gone)
             del self.passing[arena]
             return marker[1]
+
+    def beside_need(self, arena: str, need: int) -> int:
+        """A call whose gradients sit beside ``arena`` (the user's own tensors) has a plan
+        that needs ``need`` bytes: the most any such call's plan needed, which they give the
+        arena back down to. Calls of several sizes in that state then keep the arena at the
+        largest's need, as the default loop's calls of several sizes do, instead of each
+        giving back what the next one grows again."""
+        with self._lock:
+            most = self._beside[arena] = max(need, self._beside.get(arena, 0))
+            return most
 
     def give_back(self, lane: str) -> None:
         """The step that leased ``lane`` has ended."""

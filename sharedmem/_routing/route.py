@@ -374,10 +374,12 @@ class Route:
         arena), and kept through this call they would add to its peak what eager's never
         holds: the user's gradients and the room of the ones they replaced. With no plan
         yet, the call's plan is made over the arena as the fences leave it, and grows it to
-        its own need; the other state grows it again when it next runs."""
+        its own need; the other state grows it again when it next runs. Calls of other
+        sizes in this state keep what the largest of them needs (``Arenas.beside_need``)."""
         with self._lock:
             planned = self._plans.get(self._key(fences))
             need = 0 if planned is None else planned.plan.need
+        need = self._host.arenas.beside_need(self._arena, need)  # every size's in that state
         keep = max([need, *(high for _, high in fences)])
         if self._capacity() > round_up(keep, self._host.granularity):
             self._host.give_back_above(self._arena, keep)
