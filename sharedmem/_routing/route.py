@@ -208,11 +208,11 @@ class Route:
         arenas = self._host.arenas
         lane = arenas.lease(self._arena)
         try:
+            fences = self._fences(router, lane)  # giving back leaves them where they are
             if lane == self._arena:
-                self._give_back_passing(router)
-            fences = self._fences(router, lane)
-            if lane == self._arena and self._beside_gradients(fences, adds_into):
-                self._give_back_idle(fences)
+                self._give_back_passing(fences)
+                if self._beside_gradients(fences, adds_into):
+                    self._give_back_idle(fences)
             with self._lock:
                 planned = self._planned(lane, fences)
             place = None if planned is None else self._place(lane, planned.plan)
@@ -269,11 +269,11 @@ class Route:
                 arenas.mark_passing(
                     self._arena, id(self), planned.passing_from, self._accumulating(fences)
                 )
-                self._trim_passing(router, planned.plan.need)
+                self._trim_passing(fences, planned.plan.need)
             if self._captured_from is not None and lane == self._arena:
                 # The measurements' growth (zeros of parameters the step does not copy):
                 # given back above what the plan and the other routes' use need.
-                self._trim_passing(router, max(planned.plan.need, self._captured_from))
+                self._trim_passing(fences, max(planned.plan.need, self._captured_from))
                 self._captured_from = None
             router.begin_replay(planned.native, *place)
             frame = optimizer.enter(router)
@@ -331,32 +331,28 @@ class Route:
         with self._lock:
             self._grown_from = before
 
-    def _trim_passing(self, router: Any, need: int) -> None:
+    def _trim_passing(self, fences: Fences, need: int) -> None:
         """A replay of a passing state's plan begins: where the arena is larger than the plan
         needs (a recording served past it by best fit, ``_cover``), the bytes above the plan's
-        need and what tensors hold are given back."""
-        base = self._host.arenas.base(self._arena)
-        spans = [] if base is None else router.live_ranges(base)
-        keep = max([need, *(int(high) for _, high in spans)])
-        if self._capacity() > round_up(keep, self._host.granularity):
-            self._host.give_back_above(self._arena, keep)
+        need and what tensors hold (``fences``) are given back."""
+        self._give_back_above(need, fences)
 
-    def _give_back_passing(self, router: Any) -> None:
+    def _give_back_above(self, need: int, fences: Fences) -> None:
+        """Give back the arena's bytes above ``need`` and above what tensors hold
+        (``fences``); nothing where it is no larger (``give_back_above``)."""
+        self._host.give_back_above(self._arena, max([need, *(high for _, high in fences)]))
+
+    def _give_back_passing(self, fences: Fences) -> None:
         """A call of this route begins on the arena: where another route's plan of a passing
         state (an evaluation while gradients are held, or an accumulation call whose
         gradients are gone now: ``Arenas.take_passing``) grew the arena, the bytes it grew by
         are given back, down to what tensors hold (the arena as the other states planned it:
         their calls stay at their own peaks; the passing state grows it again when it next
-        runs, from fresh pages)."""
-        arenas = self._host.arenas
-        base = arenas.base(self._arena)
-        spans = [] if base is None else router.live_ranges(base)
-        held = sum(int(high) - int(low) for low, high in spans)
-        before = arenas.take_passing(self._arena, id(self), held)
-        if before is None:
-            return
-        top = max((int(high) for _, high in spans), default=0)
-        self._host.give_back_above(self._arena, max(before, top))
+        runs, from fresh pages). ``fences``: the ranges tensors hold in it."""
+        held = sum(high - low for low, high in fences)
+        before = self._host.arenas.take_passing(self._arena, id(self), held)
+        if before is not None:
+            self._give_back_above(before, fences)
 
     def _beside_gradients(self, fences: Fences, adds_into: int) -> bool:
         """Whether a training call that adds into ``adds_into`` bytes of gradients finds
@@ -380,9 +376,7 @@ class Route:
             planned = self._plans.get(self._key(fences))
             need = 0 if planned is None else planned.plan.need
         need = self._host.arenas.beside_need(self._arena, need)  # every size's in that state
-        keep = max([need, *(high for _, high in fences)])
-        if self._capacity() > round_up(keep, self._host.granularity):
-            self._host.give_back_above(self._arena, keep)
+        self._give_back_above(need, fences)
 
     def _accumulating(self, fences: Fences) -> int | None:
         """For a passing state's growth (``Arenas.mark_passing``): the bytes a training
