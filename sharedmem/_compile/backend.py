@@ -172,14 +172,9 @@ class StepSpans:
         # of the route's key, as ``pool.step(..., params=)`` keys its blocks, since the
         # autograd engine allocates new gradients in one state and adds into them in the
         # other; and the bytes it adds into tell the route where they live (``Route.scope``).
-        held = [
-            grad
-            for a in args
-            if isinstance(a, torch.nn.Parameter) and a.requires_grad
-            for grad in (a.grad,)
-        ]
-        grads = tuple(grad is not None for grad in held)
-        adds_into = sum(grad.nbytes for grad in held if grad is not None)
+        params = [a for a in args if isinstance(a, torch.nn.Parameter) and a.requires_grad]
+        grads = tuple(p.grad is not None for p in params)
+        adds_into = sum(p.grad.nbytes for p in params if p.grad is not None)
         self._enter(graph.route(("step", grads, *_signature(args))), adds_into)
 
     def open(self, args: Sequence[object]) -> None:
